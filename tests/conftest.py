@@ -1,0 +1,6 @@
+"""Make the book tools (tools/*.py, plain scripts) importable by the tests."""
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))

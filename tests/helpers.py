@@ -1,0 +1,60 @@
+"""Build small projects (a `_toc.yml` and chapter notebooks) in a temporary folder."""
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+
+def code(cell_id, source, text=None, count=None):
+    """A code cell with a fixed id and, if `text` is given, one stdout output."""
+    outputs = [new_output("stream", name="stdout", text=text)] if text is not None else []
+    return new_code_cell(source, id=cell_id, outputs=outputs, execution_count=count)
+
+
+def md(cell_id, source):
+    """A markdown cell with a fixed id."""
+    return new_markdown_cell(source, id=cell_id)
+
+
+def write_nb(path, cells):
+    """Save a notebook of `cells` as Jupyter would."""
+    nb = new_notebook(cells=cells, metadata={"kernelspec": KERNELSPEC})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(path))
+    return path
+
+
+def read_nb(path):
+    """Load a notebook (current format)."""
+    return nbformat.read(str(path), as_version=4)
+
+
+class Project:
+    """A throw-away book: chapters are added in book order and listed in `_toc.yml`."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.chapters = []
+        self.write_toc()
+
+    def chapter(self, name, en_cells, zh_cells=None, in_toc=True):
+        """Write `chapters/<name>/en.ipynb` (and zh.ipynb if given); return the folder."""
+        folder = self.root / "chapters" / name
+        write_nb(folder / "en.ipynb", en_cells)
+        if zh_cells is not None:
+            write_nb(folder / "zh.ipynb", zh_cells)
+        if in_toc and name not in self.chapters:
+            self.chapters.append(name)
+            self.write_toc()
+        return folder
+
+    def write_toc(self):
+        """A `_toc.yml` shaped like the book's: an English and a Chinese part."""
+        def part(caption, lang):
+            lines = [f"  - caption: {caption}", "    chapters:"]
+            lines += [f"      - file: chapters/{c}/{lang}" for c in self.chapters]
+            return lines
+        lines = ["format: jb-book", "root: index", "parts:"] + part("English", "en") + part("中文", "zh")
+        (self.root / "_toc.yml").write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -1,0 +1,37 @@
+"""Tests for the chapter 1 helpers (agentrl/introduction.py)."""
+import matplotlib
+matplotlib.use('Agg')
+import pytest
+import torch
+import agentrl as arl
+
+
+def test_pick_device_respects_preference():
+    assert arl.pick_device(prefer_gpu=False) == 'cpu'
+    assert arl.pick_device() == ('cuda' if torch.cuda.is_available() else 'cpu')
+
+
+def test_seed_everything_repeats_draws_and_rejects_bad_seeds():
+    a = torch.rand(4, generator=arl.seed_everything(3)), torch.rand(4)
+    b = torch.rand(4, generator=arl.seed_everything(3)), torch.rand(4)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])   # the returned generator and the global one
+    assert not torch.equal(a[0], torch.rand(4, generator=arl.seed_everything(4)))
+    for bad in (-1, 1.5, '0'):
+        with pytest.raises(ValueError, match='seed'):
+            arl.seed_everything(bad)
+
+
+def test_timer_measures_elapsed_time():
+    with arl.Timer() as t:
+        assert t.seconds is None
+        sum(range(10_000))
+    assert t.seconds > 0
+
+
+def test_plot_curves_smooths_with_a_moving_average():
+    ax = arl.plot_curves({'a': [0, 2, 4, 6], 'b': ([10, 20, 30], [1, 1, 1])}, smooth=2)
+    (xa, ya), (xb, yb) = [(list(l.get_xdata()), list(l.get_ydata())) for l in ax.get_lines()]
+    assert ya == [1.0, 3.0, 5.0] and xa == [1, 2, 3]
+    assert xb == [20, 30] and yb == [1.0, 1.0]
+    with pytest.raises(ValueError, match='smooth'):
+        arl.plot_curves({'a': [1]}, smooth=0)

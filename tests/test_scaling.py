@@ -1,0 +1,199 @@
+"""Unit tests for agentrl.scaling (chapter 14): packing, token-budget micro-batches, recomputed log-probs,
+loss normalisation across data-parallel ranks, the pass-rate curriculum."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import agentrl as arl
+
+V = 23
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return arl.TinyAgent(V, d_model=16, n_layers=2, n_heads=2, max_len=48).eval()
+
+
+def _trajectories(lengths, seed=0):
+    """Random Trajectory objects of the given lengths (ids in 1..V-1, pad id 0 never used)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        mask = (torch.rand(n - 1, generator=gen) < 0.5).float()
+        out.append(arl.Trajectory(ids=torch.randint(1, V, (n,), generator=gen), action_mask=mask,
+                                  sample_logp=-torch.rand(n - 1, generator=gen) * mask, reward=0.0))
+    return out
+
+
+# ---------------------------------------------------------------- pack_sequences / packed_logits
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(1, 20), min_size=1, max_size=12), extra=st.integers(0, 20),
+       seed=st.integers(0, 1000))
+def test_packing_places_every_token_once(lengths, extra, seed):
+    L = max(max(lengths), 2) + extra
+    trajs = _trajectories(lengths, seed)
+    packed = arl.pack_sequences(trajs, L, pad_id=0)
+    R = len(packed['rows'])
+    assert packed['ids'].shape == packed['position_ids'].shape == packed['segment_ids'].shape == (R, L)
+    assert packed['action_mask'].shape == packed['sample_logp'].shape == (R, L - 1)
+    assert sorted(i for row in packed['rows'] for i in row) == list(range(len(trajs)))
+    real = torch.zeros(R, L, dtype=torch.bool)
+    for r, members in enumerate(packed['rows']):
+        assert sum(lengths[i] for i in members) <= L                         # no row overflows
+        start = 0
+        for k, i in enumerate(members):
+            n = lengths[i]
+            span = slice(start, start + n)
+            assert torch.equal(packed['ids'][r, span], trajs[i].ids)
+            assert torch.equal(packed['position_ids'][r, span], torch.arange(n))    # positions restart
+            assert (packed['segment_ids'][r, span] == k).all()
+            assert torch.equal(packed['action_mask'][r, start:start + n - 1], trajs[i].action_mask)
+            assert torch.equal(packed['sample_logp'][r, start:start + n - 1], trajs[i].sample_logp)
+            if start + n - 1 < L - 1:                                         # predicts the next one's first token
+                assert packed['action_mask'][r, start + n - 1] == 0
+            real[r, span] = True
+            start += n
+    assert (packed['segment_ids'][~real] == -1).all() and (packed['ids'][~real] == 0).all()
+    assert packed['action_mask'].sum() == sum(t.action_mask.sum() for t in trajs)
+    assert R <= 2 * -(-sum(lengths) // L) + 1                                # first fit never needs 2x the bound
+
+
+def test_packing_first_fit_decreasing_reaches_the_bound():
+    trajs = _trajectories([6, 5, 4, 3, 2, 2, 1, 1])                        # 24 tokens, rows of 8: 3 rows
+    packed = arl.pack_sequences(trajs, 8)
+    assert len(packed['rows']) == 3 and packed['rows'][0][0] == 0           # longest first
+
+
+def test_packing_rejects_a_trajectory_longer_than_a_row():
+    with pytest.raises(ValueError, match='trajectory 1 has 9 tokens.*max_tokens=8'):
+        arl.pack_sequences(_trajectories([3, 9]), 8)
+    with pytest.raises(ValueError, match='max_tokens'):
+        arl.pack_sequences(_trajectories([1]), 1)
+
+
+@settings(max_examples=15, deadline=None)
+@given(lengths=st.lists(st.integers(2, 16), min_size=2, max_size=8), seed=st.integers(0, 1000))
+def test_segments_never_attend_across(model, lengths, seed):
+    trajs = _trajectories(lengths, seed)
+    packed = arl.pack_sequences(trajs, 32)
+    with torch.no_grad():
+        logits = arl.packed_logits(model, packed['ids'], packed['position_ids'], packed['segment_ids'])
+        for r, members in enumerate(packed['rows']):
+            start = 0
+            for i in members:
+                n = lengths[i]
+                alone = model(trajs[i].ids[None])[0]                         # [n, V]
+                assert torch.allclose(logits[r, start:start + n], alone, atol=1e-5)
+                start += n
+
+
+def test_packed_logits_checks_shapes(model):
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match='same shape'):
+        arl.packed_logits(model, ids, torch.zeros(2, 7, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- token_budget_batches
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(0, 100), max_size=40), slack=st.integers(0, 300))
+def test_token_budget_never_exceeded(lengths, slack):
+    budget = max(lengths + [1]) + slack
+    batches = arl.token_budget_batches(lengths, budget)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))   # every sequence once
+    assert all(b for b in batches)
+    for b in batches:
+        assert len(b) * max(lengths[i] for i in b) <= budget                      # padded size within budget
+        assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
+
+
+def test_token_budget_accepts_a_tensor_and_packs_greedily():
+    assert arl.token_budget_batches(torch.tensor([4, 4, 4, 4, 2]), 8) == [[0, 1], [2, 3], [4]]
+
+
+def test_token_budget_rejects_an_over_long_sequence():
+    with pytest.raises(ValueError, match='sequence 1 has 20 tokens.*max_tokens=10'):
+        arl.token_budget_batches([5, 20, 3], 10)
+    with pytest.raises(ValueError, match='max_tokens'):
+        arl.token_budget_batches([1], 0)
+
+
+# ---------------------------------------------------------------- checkpointed_log_probs
+
+@pytest.mark.parametrize('chunk_size', [1, 3, 4, 10, 64])
+def test_checkpointed_log_probs_matches_naive_values_and_gradients(chunk_size):
+    gen = torch.Generator().manual_seed(chunk_size)
+    hidden = torch.randn(2, 10, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(30, 8, generator=gen, dtype=torch.float64)
+    ids = torch.randint(30, (2, 10), generator=gen)
+    upstream = torch.randn(2, 10, generator=gen, dtype=torch.float64)
+    results = []
+    for fn in (lambda h, w: arl.selected_log_probs(h @ w.T, ids),
+               lambda h, w: arl.checkpointed_log_probs(h, w, ids, chunk_size=chunk_size)):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp = fn(h, w)
+        (logp * upstream).sum().backward()
+        results.append((logp.detach(), h.grad, w.grad))
+    for naive, checkpointed in zip(*results):
+        assert torch.allclose(naive, checkpointed, atol=1e-12)
+
+
+def test_checkpointed_log_probs_rejects_a_bad_chunk():
+    with pytest.raises(ValueError, match='chunk_size'):
+        arl.checkpointed_log_probs(torch.zeros(1, 2, 3), torch.zeros(4, 3), torch.zeros(1, 2, dtype=torch.long), 0)
+
+
+# ---------------------------------------------------------------- filter_by_pass_rate
+
+@settings(max_examples=100, deadline=None)
+@given(rates=st.lists(st.floats(0, 1), max_size=30), low=st.floats(-0.5, 1), width=st.floats(0, 1.5))
+def test_filter_keeps_exactly_the_open_interval(rates, low, width):
+    high = low + width
+    tasks = list(range(len(rates)))
+    kept = arl.filter_by_pass_rate(tasks, rates, low, high)
+    assert kept == [i for i in tasks if low < rates[i] < high]               # order kept, bounds excluded
+
+
+def test_filter_default_drops_solved_and_hopeless_tasks():
+    assert arl.filter_by_pass_rate(['a', 'b', 'c', 'd'], [0.0, 0.5, 1.0, 0.125]) == ['b', 'd']
+    with pytest.raises(ValueError, match='3 tasks but 2 pass rates'):
+        arl.filter_by_pass_rate(['a', 'b', 'c'], [0.5, 0.5])
+
+
+# ---------------------------------------------------------------- train_curriculum
+
+def test_curriculum_drops_tasks_it_never_solves():
+    tasks = arl.make_tasks('train')[:6]
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+    torch.manual_seed(0)
+    model = arl.TinyAgent(len(tok), d_model=16, n_layers=1, n_heads=2, max_len=64)   # random: never correct
+    cfg = arl.RLConfig(group_size=2, tasks_per_step=4, max_tokens=24, max_turns=1)
+    history = arl.train_curriculum(model, tasks, tok, cfg, steps=3, revisit=0)
+    assert [h['pool'] for h in history] == [6, 2, 0]                         # all-wrong tasks leave the pool
+    assert [h['n_episodes'] for h in history] == [8, 4, 0]                   # nothing left to sample: no crash
+    assert all(h['zero_adv_frac'] == 1.0 for h in history[:2])
+    again = arl.train_curriculum(model, tasks, tok, cfg, steps=3, low=-1.0, high=2.0)
+    assert [h['pool'] for h in again] == [6, 6, 6] and all(h['n_episodes'] == 8 for h in again)
+
+
+# ---------------------------------------------------------------- data_parallel_worker
+
+def test_data_parallel_worker_single_rank_reproduces_the_full_batch_gradient(tmp_path):
+    torch.manual_seed(0)
+    model = arl.TinyAgent(V, d_model=16, n_layers=1, n_heads=2, max_len=32)
+    trajs = _trajectories([5, 9, 12, 7])
+    batch = arl.collate(trajs, 0)
+    adv = torch.tensor([1.0, -0.5, 0.25, -0.75])
+    job = str(tmp_path / 'job.pt')
+    torch.save(dict(model=model, ids=batch['ids'], action_mask=batch['action_mask'], advantages=adv,
+                    shards=[[[0, 3], [1, 2]]]), job)
+    arl.data_parallel_worker(0, 1, job, str(tmp_path / 'rendezvous'))
+    model.zero_grad()
+    logp = arl.sequence_log_probs(model, batch['ids'])
+    arl.reinforce_loss(logp, adv, batch['action_mask'], mode='token_mean').backward()
+    full = torch.cat([p.grad.flatten() for p in model.parameters()])
+    for normalize in ('local', 'global'):                                    # one rank: both are the full batch
+        grad = torch.load(f'{job}.{normalize}')
+        assert torch.allclose(grad, full, atol=1e-6)

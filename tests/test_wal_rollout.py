@@ -1,0 +1,462 @@
+"""Chapter 18: the write-ahead log's record format and recovery rules, counter-based sampling, the ragged
+KV cache, and real crash tests: rollout processes killed with SIGKILL / preempted with SIGTERM at random
+moments, restarted, and compared token for token with an uninterrupted run."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import agentrl as arl
+from conftest import REPO
+
+# A fast job: a fresh random TinyAgent, 12 requests, at most 48 tokens each; a short sleep per decoding
+# step stretches a run to a few tenths of a second, so that signals land in the middle of decoding.
+SPEC = dict(model='random', split='heldout', n_tasks=4, group_size=3, max_tokens=48, step_sleep_s=0.003)
+
+
+def spec(**changes):
+    return arl.RolloutSpec(**dict(SPEC, **changes))
+
+
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():
+    """The in-process rollouts use a tiny model: one thread is faster and steadier on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Record format and recovery rules
+# ----------------------------------------------------------------------------------------------------
+
+def write_log(path, records, policy='os'):
+    """Write (rtype, payload) records; return the file offset at which each record ends."""
+    w = arl.WalWriter(path, policy)
+    ends = []
+    for rtype, payload in records:
+        w.append(rtype, payload)
+        ends.append(w.offset)
+    w.close()
+    return ends
+
+
+def token_records(n_requests, n_tokens, seed=0):
+    """A START for each request, then its tokens interleaved as a lockstep engine writes them."""
+    rng = random.Random(seed)
+    recs = [(arl.REC_START, arl.START_PAYLOAD.pack(r, r)) for r in range(n_requests)]
+    truth = {r: [] for r in range(n_requests)}
+    for pos in range(n_tokens):
+        for r in range(n_requests):
+            token = rng.randrange(36)
+            truth[r].append(token)
+            recs.append((arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(r, pos, token, -rng.random())))
+    return recs, truth
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 255), st.binary(max_size=300)), max_size=30))
+def test_records_round_trip(tmp_path_factory, records):
+    path = tmp_path_factory.mktemp('log') / 'x.wal'
+    write_log(path, records)
+    got, report = arl.scan_log(path.read_bytes())
+    assert [(t, p) for _, t, p in got] == records
+    assert report['corruptions'] == [] and report['torn_tail_bytes'] == 0
+    assert report['valid_end'] == path.stat().st_size
+
+
+def test_encode_record_layout_and_limits():
+    rec = arl.encode_record(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(7, 3, 11, -0.5))
+    crc, length, rtype = arl.RECORD_HEADER.unpack_from(rec)
+    assert (length, rtype, len(rec)) == (16, arl.REC_TOKEN, 7 + 16)
+    import crc32c
+    assert crc == crc32c.crc32c(rec[4:])
+    with pytest.raises(ValueError, match='rtype'):
+        arl.encode_record(0, b'')
+    with pytest.raises(ValueError, match='WAL_MAX_PAYLOAD'):
+        arl.encode_record(1, bytes(arl.WAL_MAX_PAYLOAD + 1))
+    with pytest.raises(ValueError, match='policy'):
+        arl.WalWriter('/dev/null', 'never')
+
+
+def test_records_never_cross_blocks(tmp_path):
+    recs, _ = token_records(20, 200)                     # ~4,000 records of 23 bytes: several blocks
+    ends = write_log(tmp_path / 'x.wal', recs)
+    for end, (_, payload) in zip(ends, recs):
+        start = end - arl.RECORD_HEADER.size - len(payload)
+        assert start // arl.WAL_BLOCK_SIZE == (end - 1) // arl.WAL_BLOCK_SIZE
+    state = arl.recover_log(tmp_path / 'x.wal')
+    assert state.report['records'] == len(recs) and state.report['corruptions'] == []
+
+
+def test_policies_commit_and_sync(tmp_path):
+    for policy, syncs in (('token', 5), ('step', 1), ('os', 0)):
+        w = arl.WalWriter(tmp_path / f'{policy}.wal', policy)
+        for i in range(5):
+            w.append(arl.REC_START, arl.START_PAYLOAD.pack(i, 0))
+        if policy != 'token':                             # nothing reaches the file before commit()
+            assert (tmp_path / f'{policy}.wal').stat().st_size == 0
+        w.commit()
+        assert w.syncs == syncs and w.durable == (tmp_path / f'{policy}.wal').stat().st_size
+        w.close()
+
+
+def test_torn_tail_at_every_offset(tmp_path):
+    """Truncating the log at any byte of its last records recovers exactly the complete records, silently."""
+    recs, truth = token_records(3, 12)
+    ends = write_log(tmp_path / 'x.wal', recs)
+    data = (tmp_path / 'x.wal').read_bytes()
+    for cut in range(ends[-8] - 1, len(data) + 1):
+        got, report = arl.scan_log(data[:cut])
+        complete = sum(end <= cut for end in ends)
+        assert len(got) == complete, cut
+        assert report['corruptions'] == [] and report['valid_end'] == (ends[complete - 1] if complete else 0)
+        assert report['torn_tail_bytes'] == cut - report['valid_end']
+        state = arl.replay_records(got, report)
+        for r, req in state.requests.items():            # every recovered request is a prefix of the truth
+            assert req.tokens == truth[r][:len(req.tokens)]
+
+
+def test_torn_tail_across_a_block_boundary(tmp_path):
+    recs, _ = token_records(10, 160)
+    ends = write_log(tmp_path / 'x.wal', recs)
+    data = (tmp_path / 'x.wal').read_bytes()
+    first_in_block_1 = next(i for i, e in enumerate(ends) if e > arl.WAL_BLOCK_SIZE)
+    for cut in range(ends[first_in_block_1 - 2], ends[first_in_block_1 + 1] + 1):
+        got, report = arl.scan_log(data[:cut])
+        assert len(got) == sum(end <= cut for end in ends) and report['corruptions'] == [], cut
+
+
+def test_flipped_bit_is_reported_never_a_wrong_token(tmp_path):
+    """Every single-bit flip in a record of a full block is reported; the recovered tokens stay correct."""
+    recs, truth = token_records(10, 200)                 # > 2 blocks
+    ends = write_log(tmp_path / 'x.wal', recs)
+    data = bytearray((tmp_path / 'x.wal').read_bytes())
+    victim = next(i for i, e in enumerate(ends) if e > arl.WAL_BLOCK_SIZE // 2)
+    start = ends[victim - 1]
+    for bit in range(8 * (ends[victim] - start)):
+        bad = bytearray(data)
+        bad[start + bit // 8] ^= 1 << (bit % 8)
+        got, report = arl.scan_log(bytes(bad))
+        assert len(report['corruptions']) >= 1, bit
+        assert report['corruptions'][0][0] == start
+        state = arl.replay_records(got, report)
+        for r, req in state.requests.items():
+            assert req.tokens == truth[r][:len(req.tokens)]
+        # reading resumed at the next block: nothing there was lost
+        in_block_1 = sum(1 for off, _, _ in got if off >= arl.WAL_BLOCK_SIZE)
+        assert in_block_1 == sum(1 for e in ends if e > arl.WAL_BLOCK_SIZE)
+
+
+def test_append_after_a_torn_padding(tmp_path):
+    """A crash in the middle of a block's zero padding is a torn tail: cut it, append, and the log reads clean
+    (were the partial padding kept, a 15-byte record appended after it would be misread)."""
+    recs = [(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(0, i, 1, 0.0)) for i in range(1500)]
+    ends = write_log(tmp_path / 'x.wal', recs)
+    data = (tmp_path / 'x.wal').read_bytes()
+    last_in_block_0 = max(e for e in ends if e <= arl.WAL_BLOCK_SIZE)
+    assert arl.WAL_BLOCK_SIZE - last_in_block_0 == 16              # 1,424 records of 23 bytes, then padding
+    cut = last_in_block_0 + 1                                      # one byte of padding made it to disk
+    got, report = arl.scan_log(data[:cut])
+    assert report['torn_tail_bytes'] == 1 and report['valid_end'] == last_in_block_0
+    (tmp_path / 'y.wal').write_bytes(data[:report['valid_end']])   # what the engine does before appending
+    write_log(tmp_path / 'y.wal', [(arl.REC_START, arl.START_PAYLOAD.pack(99, 0))])
+    got2, report2 = arl.scan_log((tmp_path / 'y.wal').read_bytes())
+    assert report2['corruptions'] == [] and len(got2) == len(got) + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.integers(0, 10_000))
+def test_scan_never_raises(garbage, where):
+    recs, _ = token_records(2, 20)
+    data = b''.join(arl.encode_record(t, p) for t, p in recs)
+    where = where % (len(data) + 1)
+    for blob in (garbage, data[:where] + garbage + data[where:], data[:where] + garbage):
+        got, report = arl.scan_log(blob)
+        arl.replay_records(got, report)
+
+
+def test_replay_keeps_gap_free_prefixes():
+    recs = [(arl.REC_START, arl.START_PAYLOAD.pack(0, 5)),
+            (arl.REC_FORCED, arl.FORCED_PAYLOAD.pack(0, 0, 1)),
+            (arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(0, 2, 9, -1.0)),     # position 1 is missing: orphan
+            (arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(0, 1, 8, -0.5)),
+            (arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(0, 1, 8, -0.5)),     # duplicate
+            (arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(0, 1, 7, -0.5)),     # conflicting duplicate
+            (arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(1, 0, 3, -0.5)),     # request 1 never started
+            (arl.REC_FINISH, arl.FINISH_PAYLOAD.pack(0, 3, 1.0, 0, 0)),  # wrong length: orphan
+            (arl.REC_FINISH, arl.FINISH_PAYLOAD.pack(0, 2, 1.0, 0, 1)),
+            (arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(0, 2, 9, -1.0)),     # after the finish: orphan
+            (99, b'?'), (arl.REC_START, b'short')]                       # malformed
+    state = arl.replay_records([(0, t, p) for t, p in recs], dict(corruptions=[]))
+    req = state.requests[0]
+    assert (req.task, req.tokens, req.sampled, req.finish) == (5, [1, 8], [False, True], (1.0, 'correct', 1))
+    assert req.logp == [0.0, -0.5]
+    assert (state.report['orphans'], state.report['duplicates'], state.report['conflicts'],
+            state.report['malformed']) == (4, 1, 1, 2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampling and decoding
+# ----------------------------------------------------------------------------------------------------
+
+def test_counter_seed_depends_on_all_three():
+    seeds = {arl.counter_seed(s, r, p) for s in range(3) for r in range(10) for p in range(50)}
+    assert len(seeds) == 1500 and all(0 <= s < 2 ** 63 for s in seeds)
+
+
+def test_gumbel_sample_is_invariant_and_follows_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]], dtype=torch.float64)
+    seeds = [arl.counter_seed(0, r, 3) for r in range(4000)]
+    tokens, logp, margins = arl.gumbel_sample(logits.expand(4000, 5), seeds, temperature=0.7)
+    again, _, _ = arl.gumbel_sample(logits.expand(4000, 5).flip(0), seeds[::-1], temperature=0.7)
+    assert torch.equal(tokens, again.flip(0))                         # order and batch do not matter
+    probs = torch.softmax(logits[0] / 0.7, -1)
+    freq = torch.bincount(tokens, minlength=5).double() / 4000
+    assert (freq - probs).abs().max() < 0.03                          # ~4 standard errors
+    assert torch.allclose(logp.double(), probs.log()[tokens].float().double(), atol=1e-6)
+    assert (margins > 0).all()
+    with pytest.raises(ValueError, match='temperature'):
+        arl.gumbel_sample(logits, seeds[:1], 0.0)
+    with pytest.raises(ValueError, match='seeds'):
+        arl.gumbel_sample(logits, seeds[:2])
+
+
+def test_ragged_decoding_matches_the_full_forward():
+    torch.manual_seed(0)
+    model = arl.TinyAgent(20, d_model=32, n_layers=2, n_heads=2, max_len=40).double().eval()
+    seqs = [torch.randint(0, 20, (n,)).tolist() for n in (6, 11, 15)]
+    with torch.no_grad():
+        full = [model(torch.tensor([s]))[0] for s in seqs]                # [n, V] each
+    cache, lengths = arl.prefill_ragged(model, [s[:k] for s, k in zip(seqs, (1, 4, 7))], 40)
+    pos = [1, 4, 7]
+    for _ in range(5):
+        logits = arl.decode_step_ragged(model, cache, lengths, torch.tensor([s[p] for s, p in zip(seqs, pos)]))
+        for i in range(3):
+            assert (logits[i] - full[i][pos[i]]).abs().max() < 1e-12
+        pos = [p + 1 for p in pos]
+    assert lengths.tolist() == pos
+    with pytest.raises(ValueError, match='capacity'):
+        arl.prefill_ragged(model, [list(range(5))], 5)
+
+
+def test_kv_snapshot_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = arl.TinyAgent(20, d_model=32, n_layers=2, n_heads=2, max_len=40).double().eval()
+    cache, lengths = arl.prefill_ragged(model, [[1, 2, 3], [4, 5]], 40)
+    arl.save_kv_snapshot(tmp_path / 'kv.safetensors', cache, lengths, [7, 9], 1234)
+    loaded, lengths2, requests, offset = arl.load_kv_snapshot(tmp_path / 'kv.safetensors', model, 40)
+    assert (requests, offset, lengths2.tolist()) == ([7, 9], 1234, [3, 2])
+    a = arl.decode_step_ragged(model, cache, lengths, torch.tensor([6, 6]))
+    b = arl.decode_step_ragged(model, loaded, lengths2, torch.tensor([6, 6]))
+    assert torch.equal(a, b)
+
+
+def test_length_bias_simulation_matches_theory():
+    rng = np.random.default_rng(0)
+    lengths = rng.lognormal(np.log(50), 0.8, 5000).round() + 1
+    lam = 1 / lengths.mean()
+    theory = arl.discard_restart_theory(lengths, lam)
+    sim = arl.simulate_interruptions(lengths, lam, 20_000, rng, resume=False)
+    assert abs(sim['completed'].mean() / theory['mean'] - 1) < 0.03
+    assert abs(sim['decoded'] / 20_000 / theory['decoded'] - 1) < 0.03
+    assert theory['mean'] < 0.8 * lengths.mean()                      # clearly biased towards short
+    kept = arl.simulate_interruptions(lengths, lam, 20_000, rng, resume=True)
+    assert abs(kept['completed'].mean() / lengths.mean() - 1) < 0.03 and kept['wasted'] == 0
+    assert arl.discard_restart_theory(lengths, 0.0)['wasted'] == 0
+    with pytest.raises(ValueError, match='lam'):
+        arl.simulate_interruptions(lengths, -1, 10, rng, resume=False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Real crash tests
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    """An uninterrupted run, in this process."""
+    folder = tmp_path_factory.mktemp('reference')
+    result = arl.run_rollout(folder, spec(policy='os', step_sleep_s=0.0))
+    assert result['status'] == 'finished' and result['mode'] == 'fresh'
+    return arl.read_trajectories(folder)
+
+
+def assert_same(trajs, ref):
+    assert len(trajs) == len(ref)
+    for a, b in zip(trajs, ref):
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.action_mask, b.action_mask)
+        assert torch.allclose(a.sample_logp, b.sample_logp, atol=1e-6, rtol=0)
+        assert a.reward == b.reward and a.info == b.info
+
+
+def ack_lines(folder):
+    path = folder / 'acks.txt'
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def acked_lengths(folder):
+    """request -> the longest length any run acknowledged as committed."""
+    best = {}
+    for line in ack_lines(folder):
+        for item in line.split()[2:]:
+            rid, n = map(int, item.split(':'))
+            best[rid] = max(best.get(rid, 0), n)
+    return best
+
+
+def check_durable(folder, ref):
+    """Every acknowledged token is in the log, and the log holds no wrong token."""
+    log = folder / 'rollout.wal'
+    state = arl.recover_log(log) if log.exists() else arl.replay_records(*arl.scan_log(b''))
+    assert state.report['corruptions'] == []
+    for rid, n in acked_lengths(folder).items():
+        assert len(state.requests[rid].tokens) >= n, (rid, n)
+    for rid, req in state.requests.items():
+        assert req.tokens == ref[rid].ids[:len(req.tokens)].tolist()
+
+
+def modes(folder):
+    return [json.loads(line)['mode'] for line in (folder / 'runs.jsonl').read_text().splitlines()
+            if '"mode"' in line]
+
+
+def wait_for_acks(folder, proc, n, timeout=30.0):
+    """Wait until the rollout has acknowledged n commits (or ended)."""
+    start = time.time()
+    while len(ack_lines(folder)) < n and proc.exitcode is None and time.time() - start < timeout:
+        time.sleep(0.001)
+
+
+def test_sigkill_at_random_moments(tmp_path, reference):
+    """>= 20 SIGKILLs at random moments; after each, the log holds every acknowledged token and no wrong
+    one; restarted each time (re-prefill from the log), the rollout ends equal to the uninterrupted one."""
+    rng = random.Random(18)
+    kills, trial = 0, 0
+    while kills < 24:
+        folder = tmp_path / f'trial{trial}'
+        policy = ('step', 'os', 'step', 'os', 'token')[trial % 5]
+        proc = arl.launch_rollout(folder, spec(policy=policy))
+        for _ in range(3):                                # up to three kills per rollout
+            if rng.random() < 0.25:                       # any moment, startup and recovery included
+                time.sleep(rng.uniform(0, 0.15))
+            else:                                         # somewhere in decoding, at a random step
+                base = len(ack_lines(folder))
+                wait_for_acks(folder, proc, base + rng.randint(1, 30))
+                time.sleep(rng.uniform(0, 0.004))
+            if proc.exitcode is not None:
+                break
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join()
+            kills += 1
+            check_durable(folder, reference)
+            proc = arl.launch_rollout(folder, spec(policy=policy))   # the scheduler restarts the same job
+        proc.join()
+        assert proc.exitcode == 0
+        assert_same(arl.read_trajectories(folder), reference)
+        assert 'reprefill' in modes(folder) or modes(folder) == ['fresh']
+        trial += 1
+    assert kills >= 20
+
+
+def test_sigterm_resumes_from_the_kv_snapshot(tmp_path, reference):
+    rng = random.Random(3)
+    for trial in range(4):
+        folder = tmp_path / f'trial{trial}'
+        proc = arl.launch_rollout(folder, spec(policy=('step', 'os')[trial % 2]))
+        for _ in range(2):                                # preempted twice
+            wait_for_acks(folder, proc, len(ack_lines(folder)) + rng.randint(1, 25))
+            if proc.exitcode is not None:
+                break
+            assert arl.preempt_rollout(proc, grace_s=10.0) == 'graceful'
+            assert proc.exitcode == arl.EXIT_PREEMPTED
+            assert (folder / 'kv.safetensors').exists()
+            check_durable(folder, reference)
+            proc = arl.launch_rollout(folder)
+        proc.join()
+        assert proc.exitcode == 0
+        assert modes(folder)[1:] == ['snapshot'] * (len(modes(folder)) - 1) and len(modes(folder)) >= 2
+        assert not (folder / 'kv.safetensors').exists()
+        assert_same(arl.read_trajectories(folder), reference)
+
+
+def test_grace_period_too_short(tmp_path, reference):
+    """SIGTERM then SIGKILL a moment later: the snapshot may or may not be complete; either way the restart
+    (from the snapshot or by re-prefill) ends equal to the reference."""
+    for trial, delay in enumerate((0.0, 0.0005, 0.002, 0.005)):
+        folder = tmp_path / f'trial{trial}'
+        proc = arl.launch_rollout(folder, spec())
+        wait_for_acks(folder, proc, 10)
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(delay)
+        if proc.exitcode is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        check_durable(folder, reference)
+        proc = arl.launch_rollout(folder, spec())
+        proc.join()
+        assert proc.exitcode == 0
+        assert_same(arl.read_trajectories(folder), reference)
+
+
+def test_restart_checks_the_job(tmp_path):
+    arl.run_rollout(tmp_path, spec(step_sleep_s=0.0))
+    with pytest.raises(ValueError, match='differs'):
+        arl.run_rollout(tmp_path, spec(seed=1))
+    with pytest.raises(ValueError, match='no spec'):
+        arl.run_rollout(tmp_path / 'empty')
+    result = arl.run_rollout(tmp_path, spec(policy='token', step_sleep_s=0.0))   # runtime fields may change
+    assert result['status'] == 'finished' and result['decoded_tokens'] == 0
+
+
+def test_torn_tail_and_flipped_bit_then_resume(tmp_path, reference):
+    """Damage a finished log (cut it mid-record, or flip a bit in the middle), restart: the damage is
+    handled (silently for the tail, reported for the bit), lost tokens are decoded again, result unchanged."""
+    source = tmp_path / 'source'
+    arl.run_rollout(source, spec(step_sleep_s=0.0))
+    data = (source / 'rollout.wal').read_bytes()
+    starts = [offset for offset, _, _ in arl.scan_log(data)[0]]
+    rng = random.Random(0)
+    cases = [(len(data) - 5, None), (starts[-3] + 9, None), (starts[len(starts) // 2] + 3, None),
+             (len(data), len(data) // 2), (len(data), rng.randrange(len(data)))]
+    for case, (cut, flip) in enumerate(cases):
+        folder = tmp_path / f'case{case}'
+        folder.mkdir()
+        bad = bytearray(data[:cut])
+        if flip is not None:
+            bad[flip] ^= 0x10
+        (folder / 'rollout.wal').write_bytes(bytes(bad))
+        result = arl.run_rollout(folder, spec(step_sleep_s=0.0))   # needed only if the flip hit the meta record
+        assert result['status'] == 'finished'
+        if flip is not None:
+            assert len(result['report']['corruptions']) >= 1
+        else:
+            assert result['report']['corruptions'] == [] and result['report']['torn_tail_bytes'] > 0
+        if case > 0:                                  # case 0 only lost a finish record, which is rewritten
+            assert result['decoded_tokens'] > 0
+        assert_same(arl.read_trajectories(folder), reference)
+
+
+def test_command_line_preempt_and_resume(tmp_path, reference):
+    """The real command line: a fresh interpreter, SIGTERM, restart with no arguments but the folder."""
+    cmd = [sys.executable, '-c', 'import agentrl as arl; arl.rollout_main()', str(tmp_path)]
+    proc = subprocess.Popen(cmd + ['--spec', json.dumps(SPEC)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    start = time.time()
+    while len(ack_lines(tmp_path)) < 8 and proc.poll() is None and time.time() - start < 60:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == arl.EXIT_PREEMPTED and json.loads(out)['status'] == 'preempted'
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)['mode'] == 'snapshot'
+    assert_same(arl.read_trajectories(tmp_path), reference)

@@ -1,0 +1,122 @@
+"""Tests for agentrl/off_policy.py (chapter 8): ratios, the clipped objective, TIS weights, ppo_update."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import assume, given, settings, strategies as st
+
+import agentrl as arl
+
+
+def test_importance_ratio_is_one_off_mask():
+    logp = torch.tensor([[0.0, -1.0, -2.0]])
+    old = torch.tensor([[0.0, -2.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    assert torch.allclose(arl.importance_ratio(logp, old, mask), torch.tensor([[1.0, torch.e, 1.0]]))
+    with pytest.raises(ValueError, match='shape'):
+        arl.importance_ratio(logp, old[:, :2], mask)
+
+
+def _clipped(ratios, adv, clip_low=0.2, clip_high=0.2, norm_const=None, weights=None):
+    logp = torch.tensor([ratios]).log().requires_grad_(True)
+    loss, stats = arl.clipped_loss(logp, torch.zeros_like(logp), torch.tensor([adv]), torch.ones_like(logp),
+                                   clip_low, clip_high, norm_const, weights)
+    loss.backward()
+    return loss.item(), logp.grad[0], stats
+
+
+def test_clipped_loss_value_on_hand_made_input():
+    # per-token objective min(r A, clip(r) A): 1.3*1 -> 1.2; 0.9*1 -> 0.9; 1.3*-1 -> -1.3; 0.7*-1 -> -0.8
+    loss, grad, stats = _clipped([1.3, 0.9, 1.3, 0.7], [2.0, 1.0, -1.0, -1.0])
+    assert loss == pytest.approx(-(2.4 + 0.9 - 1.3 - 0.8) / 4)
+    # gradient wrt logp of -r A / N is -r A / N where unclipped, 0 where clipped
+    assert torch.allclose(grad, torch.tensor([0.0, -0.9 / 4, 1.3 / 4, 0.0]))
+    assert stats['clip_frac'] == 0.5
+    assert stats['ratio_max'] == pytest.approx(1.3) and stats['ratio_min'] == pytest.approx(0.7)
+
+
+def test_clipped_loss_asymmetric_clip_and_norm_const():
+    loss, grad, stats = _clipped([1.25, 0.75], [2.0, -1.0], clip_low=0.2, clip_high=0.28, norm_const=10)
+    assert loss == pytest.approx(-(1.25 * 2.0 - 0.8) / 10)
+    assert torch.allclose(grad, torch.tensor([-1.25 * 2.0 / 10, 0.0]))
+    assert stats['clip_frac'] == 0.5
+
+
+def test_clipped_loss_without_clip_is_importance_weighted_and_weights_multiply():
+    loss, grad, stats = _clipped([3.0, 0.1], [1.0, -1.0], clip_low=None, clip_high=None)
+    assert loss == pytest.approx(-(3.0 - 0.1) / 2) and stats['clip_frac'] == 0
+    loss_w, grad_w, _ = _clipped([1.0, 1.0], [1.0, 1.0], weights=torch.tensor([[2.0, 0.5]]))
+    assert loss_w == pytest.approx(-(2.0 + 0.5) / 2)
+    assert torch.allclose(grad_w, torch.tensor([-1.0, -0.25]))
+
+
+def test_clipped_loss_at_ratio_one_equals_reinforce_gradient():
+    gen = torch.Generator().manual_seed(0)
+    logp = (-torch.rand(3, 5, generator=gen)).requires_grad_(True)
+    mask = (torch.rand(3, 5, generator=gen) > 0.3).float()
+    adv = torch.randn(3, generator=gen)
+    loss, stats = arl.clipped_loss(logp, logp.detach(), adv, mask)
+    g1, = torch.autograd.grad(loss, logp)
+    g2, = torch.autograd.grad(arl.reinforce_loss(logp, adv, mask, 'token_mean'), logp)
+    assert torch.allclose(g1, g2, atol=1e-7) and stats['clip_frac'] == 0 and stats['approx_kl'] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(0.05, 5.0), st.floats(0.1, 3) | st.floats(-3, -0.1), st.floats(0.05, 0.5))
+def test_clipped_gradient_is_zero_exactly_on_the_profitable_side(r, a, eps):
+    assume(abs(r - 1 - eps) > 1e-4 and abs(r - 1 + eps) > 1e-4)          # float32 rounding at the edges
+    _, grad, stats = _clipped([r], [a], eps, eps)
+    clipped = (r > 1 + eps and a > 0) or (r < 1 - eps and a < 0)
+    assert (grad[0] == 0) == clipped
+    assert stats['clip_frac'] == float(clipped)
+
+
+def test_clipped_loss_rejects_bad_clip():
+    with pytest.raises(ValueError, match='clip_low'):
+        _clipped([1.0], [1.0], clip_low=1.5)
+
+
+def test_truncated_is_weights_cap_mask_and_no_grad():
+    trainer = torch.tensor([[0.0, 0.0, 0.0, 0.0]], requires_grad=True)
+    sampler = torch.tensor([[-3.0, 0.0, 1.0, -3.0]])                     # ratios e^3, 1, e^-1, e^3
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w = arl.truncated_is_weights(trainer, sampler, mask, cap=2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 1.0, torch.exp(torch.tensor(-1.0)), 0.0]]))
+    assert not w.requires_grad
+    assert (arl.truncated_is_weights(trainer, sampler, mask, cap=100.0)[0, 0] - torch.exp(torch.tensor(3.0))).abs() < 1e-3
+    with pytest.raises(ValueError, match='cap'):
+        arl.truncated_is_weights(trainer, sampler, mask, cap=0)
+
+
+def _tiny_batch():
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+    trajs = [arl.demonstration_trajectory(t, tok) for t in arl.make_tasks('train')[:6]]
+    batch = arl.collate(trajs, tok.pad_id)
+    torch.manual_seed(0)
+    model = arl.TinyAgent(len(tok), d_model=16, n_layers=1, n_heads=2, max_len=128)
+    with torch.no_grad():
+        batch['sample_logp'] = arl.sequence_log_probs(model, batch['ids']) * batch['action_mask']
+    return model, batch
+
+
+def test_ppo_update_first_epoch_is_on_policy_and_matches_reinforce_gradient():
+    model, batch = _tiny_batch()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    cfg = SimpleNamespace(micro_batch_size=4, max_grad_norm=1e9)
+    reference = copy.deepcopy(model)
+    arl.reinforce_loss(arl.sequence_log_probs(reference, batch['ids']), adv, batch['action_mask'], 'token_mean').backward()
+    hist = arl.ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, adv, cfg, epochs=1)
+    assert hist[0]['clip_frac'] == 0 and abs(hist[0]['ratio_max'] - 1) < 1e-5
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)
+
+
+def test_ppo_update_several_epochs_move_the_ratio():
+    model, batch = _tiny_batch()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    cfg = SimpleNamespace(micro_batch_size=4, max_grad_norm=1.0)
+    hist = arl.ppo_update(model, torch.optim.Adam(model.parameters(), lr=1e-2), batch, adv, cfg, epochs=3, tis_cap=2.0)
+    assert len(hist) == 3 and hist[0]['approx_kl'] == 0 and hist[-1]['approx_kl'] > 0
+    with pytest.raises(ValueError, match='epochs'):
+        arl.ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, adv, cfg, epochs=0)

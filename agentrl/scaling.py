@@ -168,7 +168,8 @@ def train_curriculum(model, tasks, tok, cfg, steps, low=0.0, high=1.0, revisit=1
         names = {t.name for t in pool}
         excluded = [t for t in tasks if t.name not in names]
         again = [excluded[i] for i in torch.randperm(len(excluded), generator=gen)[:revisit].tolist()]
-        kept, sampled = arl.sample_step(model, env_fn, pool + again, tok, cfg, gen)
+        candidates = pool + again
+        kept, sampled = arl.sample_step(model, env_fn, candidates, tok, cfg, gen) if candidates else ([], [])
         flat = 0
         for g in range(0, len(sampled), G):
             rewards = [t.reward for t in sampled[g:g + G]]

@@ -143,22 +143,29 @@ def project_version(root: Path) -> str:
     return "0+unknown"
 
 
-def render_init(modules: list[str], names: list[str], version: str) -> str:
+def render_init(modules: list[str], version: str) -> str:
     """The text of the generated `agentrl/__init__.py`."""
     doc = ('"""Agentic RL from Scratch: the code saved by the book\'s chapters.\n\n'
            "One module per chapter; every saved name is re-exported here in book order, so\n"
            "`import agentrl as arl; arl.<name>` works (a later chapter's redefinition wins).\n\n"
            f"This file is {MARK}.\n" + '"""\n')
     imports = "".join(f"from .{m} import *  # noqa: F401,F403\n" for m in modules)
-    return (doc + imports + ("\n" if imports else "") + f"__version__ = {version!r}\n\n"
-            + format_all(list(dict.fromkeys(names))) + "\n")
+    if modules:  # each module lists its names once, in its own __all__; here they are only gathered
+        # import_module, not `from . import m`: a star import may have bound a saved name equal to a module's
+        imports = "from importlib import import_module as _module\n" + imports
+        exported = (f"_MODULES = ({', '.join(map(repr, modules))}{',' if len(modules) == 1 else ''})\n"
+                    "__all__ = list(dict.fromkeys(  # a name redefined by a later chapter appears once\n"
+                    "    name for m in _MODULES for name in _module(f'.{m}', __name__).__all__))\n")
+    else:
+        exported = format_all([]) + "\n"
+    return doc + imports + ("\n" if imports else "") + f"__version__ = {version!r}\n\n" + exported
 
 
 def generate(root: Path = ROOT) -> dict[Path, str]:
     """Map every file the package should contain to its text. Raises ToolError on a bad cell."""
     root = Path(root).resolve()
     out: dict[Path, str] = {}
-    modules, exported = [], []
+    modules = []
     owners: dict[str, str] = {}  # public name -> notebook that defined it first
     chapters = nbtools.toc_chapters(root)
     for chapter in nbtools.all_chapters(root):
@@ -202,8 +209,7 @@ def generate(root: Path = ROOT) -> dict[Path, str]:
             raise ToolError(f"{notebook}: generated {PACKAGE}/{slug}.py does not compile: {e}")
         out[root / PACKAGE / f"{slug}.py"] = text
         modules.append(slug)
-        exported += [n for p in pieces for n in p.names if not n.startswith("_")]
-    out[root / PACKAGE / "__init__.py"] = render_init(modules, exported, project_version(root))
+    out[root / PACKAGE / "__init__.py"] = render_init(modules, project_version(root))
     return out
 
 

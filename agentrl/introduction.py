@@ -70,9 +70,27 @@ def plot_curves(curves, xlabel='step', ylabel='', title='', ax=None, smooth=1):
     return ax
 
 
+TINY_MODEL_THREADS = 1      # the book's models run fastest on one thread (measured below)
+
+
+def set_torch_threads(n=TINY_MODEL_THREADS):
+    """Set torch's intra-op CPU thread count to `n` -> the previous count.
+
+    One thread is the book's default: for tiny models a second OpenMP thread gains little,
+    and when another process holds a core it spin-waits at every operation.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f'n must be an int >= 1, got {n!r}')
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return previous
+
+
 __all__ = [
     'pick_device',
     'seed_everything',
     'Timer',
     'plot_curves',
+    'TINY_MODEL_THREADS',
+    'set_torch_threads',
 ]

@@ -103,11 +103,13 @@ def behavior_stats(trajs):
     return stats
 
 
-def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval_n=8, ref_model=None):
+def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval_n=8,
+             ref_model=None, progress=True):
     """The RL loop, training `model` in place: sample, drop zero-advantage groups, rl_update -> history.
 
     history: one dict per step (behaviour of the sampled batch, kept/sampled counts, update stats, lr), plus
     'heldout' (arl.evaluate on eval_tasks with eval_n episodes each) every eval_every steps and after the last.
+    progress=False hides the progress bar.
     """
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -117,7 +119,7 @@ def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval
     env_fn = lambda: arl.make_env(cfg)
     evaluate = lambda step: arl.evaluate(model, eval_tasks, tok, eval_n, generator=torch.Generator().manual_seed(step), cfg=cfg)
     history = []
-    for step in tqdm(range(steps), desc=f'RL seed {cfg.seed}'):
+    for step in tqdm(range(steps), desc=f'RL seed {cfg.seed}', disable=not progress):
         record = dict(step=step, lr=optimizer.param_groups[0]['lr'])
         if eval_tasks is not None and step % eval_every == 0:
             record['heldout'] = evaluate(step)

@@ -148,8 +148,13 @@ def recipe_hash(recipe):
 
 
 def rl_base_path(tok, recipe=None):
-    """The cache file of the RL base for this tokenizer and recipe (RL_BASE_RECIPE with `recipe`'s changes)."""
-    key = recipe_hash(dict(_recipe(recipe), vocab=tok.itos))
+    """The cache file of the RL base for this tokenizer and recipe (RL_BASE_RECIPE with
+    `recipe`'s changes). The key also hashes the demonstrations themselves, so a change to
+    the task generator rebuilds the base even when the recipe reads the same."""
+    recipe = _recipe(recipe)
+    demos = make_demo_tasks(recipe['demos_per_family'], recipe['demo_seed'])
+    data = recipe_hash([arl.demonstration(t) for t in demos])
+    key = recipe_hash(dict(recipe, vocab=tok.itos, demonstrations=data))
     return cache_dir() / f'rl_base-{key}.safetensors'
 
 

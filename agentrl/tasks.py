@@ -150,11 +150,13 @@ def demonstration(task):
 
 
 def make_tasks(split='train', n_train=48, n_heldout=8, seed=0):
-    """Deterministic task list -> list of Task: 'train' (n_train per family), 'heldout' (n_heldout per
-    family) or 'all' (train + heldout).
+    """Deterministic task list -> list of Task: 'train' (n_train per family), 'heldout'
+    (n_heldout per family) or 'all' (train + heldout).
 
-    Tasks are drawn until each family has n_train + n_heldout distinct (prompt, store) pairs; the first
-    n_heldout of each family go to the held-out split, so the splits never share a task.
+    Tasks are drawn until each family has n_train + n_heldout distinct (prompt, store)
+    pairs; the first n_heldout of each family go to the held-out split, so the splits never
+    share a task. Each split is ordered round-robin by family (FAMILIES order), so any
+    prefix of k * len(FAMILIES) tasks holds exactly k tasks of every family.
     """
     if split not in ('train', 'heldout', 'all'):
         raise ValueError(f"split must be 'train', 'heldout' or 'all', got {split!r}")
@@ -162,19 +164,25 @@ def make_tasks(split='train', n_train=48, n_heldout=8, seed=0):
         if not isinstance(n, int) or n < 0:
             raise ValueError(f'{arg} must be an int >= 0, got {n!r}')
     rng = random.Random(seed)
-    train, heldout = [], []
+    train, heldout = {}, {}                           # family -> list of Task
     for family in FAMILIES:
-        seen, counts = set(), {'h': 0, 't': 0}
+        seen = set()
+        train[family], heldout[family] = [], []
         while len(seen) < n_train + n_heldout:
             t = _make_task(family, rng)
             key = (t['prompt'], t['store'])
             if key in seen:
                 continue
             seen.add(key)
-            split_list, tag = (heldout, 'h') if len(seen) <= n_heldout else (train, 't')
-            split_list.append(Task(name=f'{family}-{tag}{counts[tag]:03d}', family=family, **t))
-            counts[tag] += 1
-    rng.shuffle(train), rng.shuffle(heldout)          # mix the families: tasks[:8] is a fair sample
+            part, tag = ((heldout, 'h') if len(seen) <= n_heldout else (train, 't'))
+            name = f'{family}-{tag}{len(part[family]):03d}'
+            part[family].append(Task(name=name, family=family, **t))
+
+    def round_robin(by_family):                       # max, calc, ..., sum, max, calc, ...
+        return [by_family[f][i] for i in range(len(by_family[FAMILIES[0]]))
+                for f in FAMILIES]
+
+    train, heldout = round_robin(train), round_robin(heldout)
     return {'train': train, 'heldout': heldout, 'all': train + heldout}[split]
 
 

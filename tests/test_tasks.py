@@ -41,6 +41,18 @@ def test_unique_names_and_every_family(all_tasks):
     assert all(t.name.startswith(t.family + "-") for t in all_tasks)
 
 
+@settings(max_examples=25, deadline=None)
+@given(n_train=st.integers(0, 12), n_heldout=st.integers(0, 6), seed=st.integers(0, 10**6),
+       split=st.sampled_from(["train", "heldout"]))
+def test_every_prefix_is_round_robin_by_family(n_train, n_heldout, seed, split):
+    tasks = arl.make_tasks(split, n_train=n_train, n_heldout=n_heldout, seed=seed)
+    F = len(arl.FAMILIES)
+    assert [t.family for t in tasks] == list(arl.FAMILIES) * (len(tasks) // F)
+    for k in range(len(tasks) // F + 1):                      # k of each family in tasks[:k*F]
+        counts = {f: sum(t.family == f for t in tasks[:k * F]) for f in arl.FAMILIES}
+        assert set(counts.values()) == {k}
+
+
 def test_small_splits_and_bad_arguments():
     tasks = arl.make_tasks("all", n_train=3, n_heldout=0, seed=5)
     assert len(tasks) == 3 * len(arl.FAMILIES)

@@ -1,0 +1,40 @@
+"""Every chapter notebook keeps the book's conventions: code that fits the rendered page (88
+columns), the same setup cell (install only when missing, one torch thread), both languages."""
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+NOTEBOOKS = sorted((REPO / "chapters").glob("*/*.ipynb"))
+MAX_COLUMNS = 88
+
+
+def code_cells(path):
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    return [c for c in cells if c["cell_type"] == "code"]
+
+
+def test_there_are_notebooks_in_both_languages():
+    chapters = sorted({p.parent for p in NOTEBOOKS})
+    assert chapters, "no chapter notebooks found"
+    for folder in chapters:
+        assert (folder / "en.ipynb").exists() and (folder / "zh.ipynb").exists(), folder
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_code_lines_fit_the_page(path):
+    wide = [f"cell {c.get('id')}: {len(line)} columns: {line.strip()[:60]}"
+            for c in code_cells(path)
+            for line in "".join(c["source"]).splitlines() if len(line) > MAX_COLUMNS]
+    assert not wide, f"{len(wide)} code lines wider than {MAX_COLUMNS} columns:\n" + "\n".join(wide[:20])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_setup_cell_installs_only_when_missing_and_sets_one_thread(path):
+    setup = code_cells(path)[0]
+    source = "".join(setup["source"])
+    assert setup.get("id") == "setup"
+    assert source.startswith("try:\n    import agentrl as arl\nexcept ImportError:")
+    assert "arl.set_torch_threads()" in source

@@ -115,9 +115,14 @@ def build_rl_base(tok, recipe=None, progress=True):
 
 
 def evaluate(model, tasks, tok, n, generator=None, cfg=None):
-    """Sample n episodes per task -> dict(pass_rate, per_family {family: pass rate}, mean_length, n_episodes).
+    """Sample n episodes per task -> dict(pass_rate, stderr, per_family, per_task, mean_length,
+    n_episodes).
 
-    Episodes use cfg's limits and temperature (default SamplingConfig()); generator defaults to seed 0.
+    per_family: {family: pass rate}; per_task: {task name: pass rate over its n episodes}.
+    stderr: the standard error of pass_rate over tasks, std(per-task rates) / sqrt(#tasks):
+    tasks are the unit that varies (episodes of one task are not independent draws of the
+    suite), so it covers both the choice of tasks and the sampling noise. Episodes use cfg's
+    limits and temperature (default SamplingConfig()); generator defaults to seed 0.
     """
     if not tasks:
         raise ValueError('evaluate needs at least one task')
@@ -125,13 +130,16 @@ def evaluate(model, tasks, tok, n, generator=None, cfg=None):
         raise ValueError(f'n (episodes per task) must be >= 1, got {n}')
     cfg = cfg or arl.SamplingConfig()
     generator = generator or torch.Generator().manual_seed(0)
-    eval_cfg = dataclasses.replace(cfg, group_size=n)                  # same limits, n episodes per task
+    eval_cfg = dataclasses.replace(cfg, group_size=n)        # same limits, n episodes per task
     trajs = arl.sample_groups(model, lambda: arl.make_env(cfg), tasks, tok, eval_cfg, generator)
-    rewards = torch.tensor([t.reward for t in trajs])
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
+    per_task_rates = rewards.view(len(tasks), n).mean(1)     # [tasks]; groups are consecutive
+    stderr = per_task_rates.std().item() / len(tasks) ** 0.5 if len(tasks) > 1 else float('nan')
     families = sorted({t.info['family'] for t in trajs})
     per_family = {f: sum(t.reward for t in trajs if t.info['family'] == f) /
                   sum(t.info['family'] == f for t in trajs) for f in families}
-    return dict(pass_rate=rewards.mean().item(), per_family=per_family,
+    return dict(pass_rate=rewards.mean().item(), stderr=stderr, per_family=per_family,
+                per_task={t.name: r.item() for t, r in zip(tasks, per_task_rates)},
                 mean_length=sum(len(t.ids) for t in trajs) / len(trajs), n_episodes=len(trajs))
 
 

@@ -73,6 +73,7 @@ sync: venv
 
 book: venv
 	$(VENV)/bin/jupyter-book build . --path-output . -W -n --keep-going
+	$(PY) tools/check_offline.py _build/html
 
 clean:
 	rm -rf _build .pytest_cache .hypothesis

@@ -6,18 +6,23 @@ import torch
 
 
 def compute_advantages(batch, cfg):
-    """Group-relative advantages -> [B]: reward [B] minus the mean reward of its group (batch['group'] [B]),
-    divided by the group's standard deviation (unbiased, + 1e-6) when cfg.scale_rewards is true.
-    A group whose rewards are all equal gets advantage 0."""
+    """Group-relative advantages -> [B]: reward [B] minus the mean reward of its group
+    (batch['group'] [B]), divided by the group's standard deviation (unbiased, + 1e-6)
+    when cfg.scale_rewards is true. A group whose rewards are all equal gets
+    advantage 0."""
     reward, group = batch['reward'].float(), batch['group']
     if reward.dim() != 1 or group.shape != reward.shape or reward.numel() == 0:
-        raise ValueError(f"batch['reward'] and batch['group'] must be non-empty 1-D tensors of the same length, "
-                         f"got shapes {tuple(reward.shape)} and {tuple(group.shape)}")
-    n = torch.zeros(int(group.max()) + 1).index_add_(0, group, torch.ones_like(reward))       # [n_groups] sizes
-    mean = torch.zeros_like(n).index_add_(0, group, reward) / n.clamp(min=1)                   # [n_groups]
-    adv = reward - mean[group]                                                                 # [B]
+        raise ValueError(f"batch['reward'] and batch['group'] must be non-empty 1-D "
+                         f"tensors of the same length, got shapes "
+                         f"{tuple(reward.shape)} and {tuple(group.shape)}")
+    ones = torch.ones_like(reward)
+    n = torch.zeros(int(group.max()) + 1).index_add_(0, group, ones)  # [n_groups] sizes
+    # [n_groups]
+    mean = torch.zeros_like(n).index_add_(0, group, reward) / n.clamp(min=1)
+    adv = reward - mean[group]                                                 # [B]
     if getattr(cfg, 'scale_rewards', False):
-        var = torch.zeros_like(n).index_add_(0, group, adv ** 2) / (n - 1).clamp(min=1)        # [n_groups]
+        sq = torch.zeros_like(n).index_add_(0, group, adv ** 2)             # [n_groups]
+        var = sq / (n - 1).clamp(min=1)
         adv = adv / (var.sqrt()[group] + 1e-6)
     return adv
 
@@ -26,16 +31,20 @@ LOSS_MODES = ('token_mean', 'seq_mean', 'constant')
 
 
 def reinforce_loss(logp, adv, mask, mode='token_mean', norm_const=None):
-    """REINFORCE surrogate loss -sum(adv * logp * mask) / normaliser -> scalar (its gradient is the estimate).
+    """REINFORCE surrogate loss -sum(adv * logp * mask) / normaliser -> scalar (its
+    gradient is the estimate).
 
-    logp, mask: [B, T] (log-probs of the sampled tokens, 1 on policy tokens); adv: [B] (one per episode) or [B, T].
-    mode 'token_mean': / policy tokens in this batch; 'seq_mean': mean over sequences of each one's token mean;
-    'constant': / norm_const (default mask.numel()), e.g. the policy tokens of the whole batch for a micro-batch.
+    logp, mask: [B, T] (log-probs of the sampled tokens, 1 on policy tokens);
+    adv: [B] (one per episode) or [B, T].
+    mode 'token_mean': / policy tokens in this batch; 'seq_mean': mean over sequences of
+    each one's token mean; 'constant': / norm_const (default mask.numel()), e.g. the
+    policy tokens of the whole batch for a micro-batch.
     """
     if logp.shape != mask.shape or logp.dim() != 2:
-        raise ValueError(f'logp and mask must both be [B, T], got {tuple(logp.shape)} and {tuple(mask.shape)}')
+        raise ValueError(f'logp and mask must both be [B, T], got {tuple(logp.shape)} '
+                         f'and {tuple(mask.shape)}')
     if adv.dim() == 1:
-        adv = adv[:, None]                                                 # [B, 1] broadcasts over tokens
+        adv = adv[:, None]                               # [B, 1] broadcasts over tokens
     if adv.shape[0] != logp.shape[0]:
         raise ValueError(f'adv has {adv.shape[0]} rows, logp has {logp.shape[0]}')
     weighted = adv * logp * mask                                           # [B, T]

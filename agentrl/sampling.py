@@ -11,7 +11,8 @@ import operator
 
 @dataclass
 class SamplingConfig(arl.EnvConfig):
-    """How episodes are sampled: group_size episodes per task at `temperature`, tasks_per_step tasks per step."""
+    """How episodes are sampled: group_size episodes per task at `temperature`,
+    tasks_per_step tasks per step."""
     group_size: int = 8
     temperature: float = 1.0
     tasks_per_step: int = 16
@@ -19,8 +20,9 @@ class SamplingConfig(arl.EnvConfig):
 
 @dataclass
 class Trajectory:
-    """One episode. ids [T]; action_mask [T-1] is 1 where ids[t+1] was sampled by the policy (0 for the
-    prompt and for observations); sample_logp [T-1] is the sampler's log-prob of that token (0 elsewhere)."""
+    """One episode. ids [T]; action_mask [T-1] is 1 where ids[t+1] was sampled by the
+    policy (0 for the prompt and for observations); sample_logp [T-1] is the sampler's
+    log-prob of that token (0 elsewhere)."""
     ids: torch.Tensor
     action_mask: torch.Tensor
     sample_logp: torch.Tensor
@@ -28,30 +30,31 @@ class Trajectory:
     info: dict = field(default_factory=dict)
 
 
-STOP_TOKENS = ('</call>', '</ans>')          # the agent hands its turn to the environment
+STOP_TOKENS = ('</call>', '</ans>')      # the agent hands its turn to the environment
 
 
 class _Episode:
     """Book-keeping for one episode while the batch decodes in lockstep."""
     def __init__(self, env, task, tok, group):
         self.env, self.task, self.group = env, task, group
-        self.pending = deque(tok.encode(env.reset(task)))   # tokens to force: prompt, then observations
+        # tokens to force: the prompt, then observations
+        self.pending = deque(tok.encode(env.reset(task)))
         self.ids, self.sampled, self.logp = [], [], []
-        self.action = ''                                    # text the agent wrote since its last turn
+        self.action = ''                    # text the agent wrote since its last turn
         self.reward, self.turns = 0.0, 0
 
 
 def _trajectory(e):
     """Finished _Episode -> Trajectory."""
-    info = dict(task=e.task.name, family=e.task.family, group=e.group, outcome=e.env.outcome,
-                turns=e.env.turns)
+    info = dict(task=e.task.name, family=e.task.family, group=e.group,
+                outcome=e.env.outcome, turns=e.env.turns)
     return Trajectory(ids=torch.tensor(e.ids), action_mask=torch.tensor(e.sampled),
                       sample_logp=torch.tensor(e.logp), reward=e.reward, info=info)
 
 
 def _check_sampling(cfg):
-    """Reject settings the sampler cannot honour, naming the field and the limit. (An episode longer than the
-    model's max_len is reported by the model itself when it happens.)"""
+    """Reject settings the sampler cannot honour, naming the field and the limit.
+    (An episode longer than the model's max_len is reported by the model itself.)"""
     if cfg.group_size < 1:
         raise ValueError(f'cfg.group_size must be >= 1, got {cfg.group_size}')
     if not cfg.temperature > 0:
@@ -60,15 +63,17 @@ def _check_sampling(cfg):
 
 @torch.no_grad()
 def sample_groups(model, env_fn, tasks, tok, cfg, generator):
-    """cfg.group_size episodes of each task, decoded together with a KV cache -> list of Trajectory,
-    task by task (episodes of tasks[g] have info['group'] == g).
+    """cfg.group_size episodes of each task, decoded together with a KV cache -> list of
+    Trajectory, task by task (episodes of tasks[g] have info['group'] == g).
 
-    All episodes advance one position per step ('lockstep'): a position either consumes a forced token
-    (prompt or observation) or samples one at cfg.temperature. Reproducible from `generator`.
+    All episodes advance one position per step ('lockstep'): a position either consumes
+    a forced token (prompt or observation) or samples one at cfg.temperature.
+    Reproducible from `generator`.
     """
     _check_sampling(cfg)
     model.eval()
-    episodes = [_Episode(env_fn(), task, tok, g) for g, task in enumerate(tasks) for _ in range(cfg.group_size)]
+    episodes = [_Episode(env_fn(), task, tok, g)
+                for g, task in enumerate(tasks) for _ in range(cfg.group_size)]
     if not episodes:
         return []
     stop_ids = {tok.stoi[s] for s in STOP_TOKENS}
@@ -76,16 +81,19 @@ def sample_groups(model, env_fn, tasks, tok, cfg, generator):
     start = min(len(e.pending) for e in episodes)
     for e in episodes:
         e.ids = [e.pending.popleft() for _ in range(start)]
-        e.sampled, e.logp = [0.0] * (start - 1), [0.0] * (start - 1)     # action_mask[t] describes ids[t + 1]
+        # action_mask[t] describes ids[t + 1]
+        e.sampled, e.logp = [0.0] * (start - 1), [0.0] * (start - 1)
     device = model.head.weight.device
     cache = model.new_cache(len(episodes), cfg.max_tokens + 1)
-    logits = model(torch.tensor([e.ids for e in episodes], device=device), cache=cache)[:, -1]   # [N, V]
+    prefix = torch.tensor([e.ids for e in episodes], device=device)     # [N, start]
+    logits = model(prefix, cache=cache)[:, -1]                                 # [N, V]
     active = list(episodes)
     while active:
-        logp_all = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)                  # [A, V]
-        draws = torch.multinomial(logp_all.exp().cpu(), 1, generator=generator).squeeze(1)      # [A]
+        logp_all = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)  # [A, V]
+        draws = torch.multinomial(logp_all.exp().cpu(), 1,
+                                  generator=generator).squeeze(1)              # [A]
         for row, e in enumerate(active):
-            if e.pending:                                 # forced: the policy did not choose this token
+            if e.pending:                 # forced: the policy did not choose this token
                 e.ids.append(e.pending.popleft())
                 e.sampled.append(0.0), e.logp.append(0.0)
                 continue
@@ -97,22 +105,25 @@ def sample_groups(model, env_fn, tasks, tok, cfg, generator):
                 observation, done, e.reward = e.env.step(e.action)
                 e.action = ''
                 e.pending.extend(tok.encode(observation))
-        for e in active:                                  # episodes that reached the limit on a forced token
+        for e in active:          # episodes that reached the limit on a forced token
             if not e.env.done and not e.pending and len(e.ids) >= cfg.max_tokens:
                 e.env.step(e.action)
         keep = [row for row, e in enumerate(active) if not e.env.done]
-        if len(keep) < len(active):                       # finished episodes leave the batch and the cache
+        if len(keep) < len(active):   # finished episodes leave the batch and the cache
             cache.keep(torch.tensor(keep, dtype=torch.long, device=device))
             active = [active[row] for row in keep]
         if active:
-            newest = torch.tensor([[e.ids[-1]] for e in active], device=device)               # [A, 1]
+            # [A, 1]: the newest token of each active episode
+            newest = torch.tensor([[e.ids[-1]] for e in active], device=device)
             logits = model(newest, cache=cache)[:, -1]
     return [_trajectory(e) for e in episodes]
 
 
 def render_trajectory(traj, tok, open_mark='[', close_mark=']'):
-    """Episode text with each run of policy-sampled tokens wrapped in open_mark ... close_mark."""
-    sampled = [False] + [bool(m) for m in traj.action_mask]          # sampled[t]: was ids[t] sampled?
+    """Episode text with each run of policy-sampled tokens wrapped in
+    open_mark ... close_mark."""
+    # sampled[t]: was ids[t] sampled?
+    sampled = [False] + [bool(m) for m in traj.action_mask]
     out, inside = [], False
     for token, s in zip(traj.ids.tolist(), sampled):
         if s != inside:
@@ -123,14 +134,16 @@ def render_trajectory(traj, tok, open_mark='[', close_mark=']'):
 
 
 def pad_rows(rows, width, fill):
-    """List of 1-D tensors -> [len(rows), width], right-padded with `fill`. Raises if a row is wider."""
+    """List of 1-D tensors -> [len(rows), width], right-padded with `fill`.
+    Raises if a row is wider."""
     try:
         width = operator.index(width)                 # an int, or an integer 0-d tensor
     except TypeError:
         raise TypeError(f'width must be an integer, got {width!r}') from None
     if width < 0:
         raise ValueError(f'width must be >= 0, got {width}')
-    out = torch.full((len(rows), width), fill, dtype=rows[0].dtype if rows else torch.float32)
+    dtype = rows[0].dtype if rows else torch.float32
+    out = torch.full((len(rows), width), fill, dtype=dtype)
     for i, row in enumerate(rows):
         if row.dim() != 1:
             raise ValueError(f'row {i} must be 1-D, got shape {tuple(row.shape)}')
@@ -141,8 +154,9 @@ def pad_rows(rows, width, fill):
 
 
 def collate(trajs, pad_id):
-    """Trajectories -> dict of padded tensors: ids [B, T], action_mask / sample_logp [B, T-1], reward [B],
-    length [B], group [B] (consecutive trajectories of the same task and group share a group index)."""
+    """Trajectories -> dict of padded tensors: ids [B, T], action_mask / sample_logp
+    [B, T-1], reward [B], length [B], group [B] (consecutive trajectories of the same
+    task and group share a group index)."""
     if not trajs:
         raise ValueError('collate needs at least one trajectory, got an empty list')
     T = max(len(t.ids) for t in trajs)
@@ -152,12 +166,13 @@ def collate(trajs, pad_id):
         if not keys or keys[-1] != key:
             keys.append(key)
         group.append(len(keys) - 1)
-    return dict(ids=pad_rows([t.ids for t in trajs], T, pad_id),
-                action_mask=pad_rows([t.action_mask.float() for t in trajs], T - 1, 0.0),
-                sample_logp=pad_rows([t.sample_logp.float() for t in trajs], T - 1, 0.0),
-                reward=torch.tensor([float(t.reward) for t in trajs]),
-                length=torch.tensor([len(t.ids) for t in trajs]),
-                group=torch.tensor(group))
+    return dict(
+        ids=pad_rows([t.ids for t in trajs], T, pad_id),
+        action_mask=pad_rows([t.action_mask.float() for t in trajs], T - 1, 0.0),
+        sample_logp=pad_rows([t.sample_logp.float() for t in trajs], T - 1, 0.0),
+        reward=torch.tensor([float(t.reward) for t in trajs]),
+        length=torch.tensor([len(t.ids) for t in trajs]),
+        group=torch.tensor(group))
 
 
 __all__ = [

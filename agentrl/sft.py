@@ -14,11 +14,12 @@ from pathlib import Path
 
 
 def make_demo_tasks(n_per_family=400, seed=1):
-    """Fresh tasks for demonstrations (about n_per_family per family), none of which is a train or held-out
-    task: drawn with another seed, and any task with the same (prompt, store) as one of those is dropped."""
+    """Fresh tasks for demonstrations (about n_per_family per family), none of which is
+    a train or held-out task: drawn with another seed, and any task with the same
+    (prompt, store) as one of those is dropped."""
     taken = {(t.prompt, t.store) for t in arl.make_tasks('all')}
-    return [t for t in arl.make_tasks('all', n_train=n_per_family, n_heldout=0, seed=seed)
-            if (t.prompt, t.store) not in taken]
+    drawn = arl.make_tasks('all', n_train=n_per_family, n_heldout=0, seed=seed)
+    return [t for t in drawn if (t.prompt, t.store) not in taken]
 
 
 AGENT_TOKENS_START = ('<call>', '<ans>')
@@ -28,8 +29,9 @@ AGENT_TOKENS_END = ('</call>', '</ans>')
 
 
 def demonstration_trajectory(task, tok):
-    """The expert episode of `task` as a Trajectory: ids [T]; action_mask [T-1] is 1 where ids[t+1] is the
-    agent's (inside <call>...</call> or <ans>...</ans>, tags included), 0 for the prompt and observations."""
+    """The expert episode of `task` as a Trajectory: ids [T]; action_mask [T-1] is 1
+    where ids[t+1] is the agent's (inside <call>...</call> or <ans>...</ans>, tags
+    included), 0 for the prompt and observations."""
     pieces = arl.split_tokens(arl.demonstration(task))
     mask, agent = [], False
     for piece in pieces[1:]:                          # mask[t] describes token t + 1
@@ -40,13 +42,14 @@ def demonstration_trajectory(task, tok):
         if piece in AGENT_TOKENS_END:
             agent = False
     ids = torch.tensor(tok.encode(''.join(pieces)))
-    return arl.Trajectory(ids=ids, action_mask=torch.tensor(mask), sample_logp=torch.zeros(len(mask)), reward=1.0,
+    return arl.Trajectory(ids=ids, action_mask=torch.tensor(mask),
+                          sample_logp=torch.zeros(len(mask)), reward=1.0,
                           info=dict(task=task.name, family=task.family, group=0))
 
 
 def action_token_loss(model, batch):
-    """Mean negative log-likelihood of the agent's tokens only (prompt, observations and padding excluded):
-    batch['ids'] [B, T], batch['action_mask'] [B, T-1] -> scalar."""
+    """Mean negative log-likelihood of the agent's tokens only (prompt, observations and
+    padding excluded): batch['ids'] [B, T], batch['action_mask'] [B, T-1] -> scalar."""
     logp = arl.sequence_log_probs(model, batch['ids'])                        # [B, T-1]
     mask = batch['action_mask']
     if not mask.any():
@@ -54,28 +57,35 @@ def action_token_loss(model, batch):
     return -(logp * mask).sum() / mask.sum()
 
 
-def train_sft(model, tasks, tok, steps=600, batch_size=32, lr=3e-3, seed=0, family_weights=None, progress=True):
-    """Supervised training on expert demonstrations of `tasks` -> list of losses (one per step).
+def train_sft(model, tasks, tok, steps=600, batch_size=32, lr=3e-3, seed=0,
+              family_weights=None, progress=True):
+    """Supervised training on expert demonstrations of `tasks` -> list of losses (one
+    per step).
 
-    Each step draws batch_size demonstrations with replacement, with probability proportional to
-    family_weights.get(family, 1.0), and takes one AdamW step on action_token_loss (one-cycle schedule).
+    Each step draws batch_size demonstrations with replacement, with probability
+    proportional to family_weights.get(family, 1.0), and takes one AdamW step on
+    action_token_loss (one-cycle schedule).
     """
     if not tasks:
         raise ValueError('train_sft needs at least one task')
     if steps < 1 or batch_size < 1:
-        raise ValueError(f'steps and batch_size must be >= 1, got steps={steps}, batch_size={batch_size}')
+        raise ValueError(f'steps and batch_size must be >= 1, '
+                         f'got steps={steps}, batch_size={batch_size}')
     demos = [demonstration_trajectory(t, tok) for t in tasks]
     weights = torch.tensor([(family_weights or {}).get(t.family, 1.0) for t in tasks])
     if (weights < 0).any() or weights.sum() <= 0:
-        raise ValueError(f'family_weights must be >= 0 with some task weighted > 0, got {family_weights}')
+        raise ValueError(f'family_weights must be >= 0 with some task weighted > 0, '
+                         f'got {family_weights}')
     gen = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr,
+                                                   total_steps=steps, pct_start=0.1)
     model.train()
     losses = []
     for step in tqdm(range(steps), desc='SFT', disable=not progress):
         rows = torch.multinomial(weights, batch_size, replacement=True, generator=gen)
-        loss = action_token_loss(model, arl.collate([demos[i] for i in rows], tok.pad_id))
+        batch = arl.collate([demos[i] for i in rows], tok.pad_id)
+        loss = action_token_loss(model, batch)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -86,43 +96,51 @@ def train_sft(model, tasks, tok, steps=600, batch_size=32, lr=3e-3, seed=0, fami
     return losses
 
 
-RL_BASE_RECIPE = dict(d_model=64, n_layers=2, n_heads=4, max_len=256, demos_per_family=400, demo_seed=1,
-                      steps=250, batch_size=32, lr=3e-3, seed=0, family_weights={'sum': 0.8}, version=2)
+RL_BASE_RECIPE = dict(d_model=64, n_layers=2, n_heads=4, max_len=256,
+                      demos_per_family=400, demo_seed=1, steps=250, batch_size=32,
+                      lr=3e-3, seed=0, family_weights={'sum': 0.8}, version=2)
 
 
 def _recipe(recipe=None):
-    """RL_BASE_RECIPE with the entries of `recipe` replaced; unknown keys are an error."""
+    """RL_BASE_RECIPE with the entries of `recipe` replaced; unknown keys are an
+    error."""
     unknown = set(recipe or {}) - set(RL_BASE_RECIPE)
     if unknown:
-        raise ValueError(f'unknown recipe keys {sorted(unknown)}; known: {sorted(RL_BASE_RECIPE)}')
+        raise ValueError(f'unknown recipe keys {sorted(unknown)}; '
+                         f'known: {sorted(RL_BASE_RECIPE)}')
     return dict(RL_BASE_RECIPE, **(recipe or {}))
 
 
 def _new_agent(tok, recipe):
-    """A freshly initialised TinyAgent of the recipe's size (torch's global seed set to recipe['seed'])."""
+    """A freshly initialised TinyAgent of the recipe's size (torch's global seed set to
+    recipe['seed'])."""
     torch.manual_seed(recipe['seed'])
-    return arl.TinyAgent(len(tok), recipe['d_model'], recipe['n_layers'], recipe['n_heads'], recipe['max_len'])
+    return arl.TinyAgent(len(tok), recipe['d_model'], recipe['n_layers'],
+                         recipe['n_heads'], recipe['max_len'])
 
 
 def build_rl_base(tok, recipe=None, progress=True):
-    """Train the RL base from scratch (no cache) -> (model in eval mode, list of SFT losses)."""
+    """Train the RL base from scratch (no cache) -> (model in eval mode, list of SFT
+    losses)."""
     recipe = _recipe(recipe)
     model = _new_agent(tok, recipe)
     demos = make_demo_tasks(recipe['demos_per_family'], recipe['demo_seed'])
-    losses = train_sft(model, demos, tok, recipe['steps'], recipe['batch_size'], recipe['lr'], recipe['seed'],
-                       recipe['family_weights'], progress=progress)
+    losses = train_sft(model, demos, tok, recipe['steps'], recipe['batch_size'],
+                       recipe['lr'], recipe['seed'], recipe['family_weights'],
+                       progress=progress)
     return model, losses
 
 
 def evaluate(model, tasks, tok, n, generator=None, cfg=None):
-    """Sample n episodes per task -> dict(pass_rate, stderr, per_family, per_task, mean_length,
-    n_episodes).
+    """Sample n episodes per task -> dict(pass_rate, stderr, per_family, per_task,
+    mean_length, n_episodes).
 
-    per_family: {family: pass rate}; per_task: {task name: pass rate over its n episodes}.
-    stderr: the standard error of pass_rate over tasks, std(per-task rates) / sqrt(#tasks):
-    tasks are the unit that varies (episodes of one task are not independent draws of the
-    suite), so it covers both the choice of tasks and the sampling noise. Episodes use cfg's
-    limits and temperature (default SamplingConfig()); generator defaults to seed 0.
+    per_family: {family: pass rate}; per_task: {task name: pass rate over its n
+    episodes}. stderr: the standard error of pass_rate over tasks,
+    std(per-task rates) / sqrt(#tasks): tasks are the unit that varies (episodes of one
+    task are not independent draws of the suite), so it covers both the choice of tasks
+    and the sampling noise. Episodes use cfg's limits and temperature (default
+    SamplingConfig()); generator defaults to seed 0.
     """
     if not tasks:
         raise ValueError('evaluate needs at least one task')
@@ -130,35 +148,41 @@ def evaluate(model, tasks, tok, n, generator=None, cfg=None):
         raise ValueError(f'n (episodes per task) must be >= 1, got {n}')
     cfg = cfg or arl.SamplingConfig()
     generator = generator or torch.Generator().manual_seed(0)
-    eval_cfg = dataclasses.replace(cfg, group_size=n)        # same limits, n episodes per task
-    trajs = arl.sample_groups(model, lambda: arl.make_env(cfg), tasks, tok, eval_cfg, generator)
+    eval_cfg = dataclasses.replace(cfg, group_size=n)      # same limits, n per task
+    trajs = arl.sample_groups(model, lambda: arl.make_env(cfg), tasks, tok, eval_cfg,
+                              generator)
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
-    per_task_rates = rewards.view(len(tasks), n).mean(1)     # [tasks]; groups are consecutive
-    stderr = per_task_rates.std().item() / len(tasks) ** 0.5 if len(tasks) > 1 else float('nan')
+    # [tasks]; the episodes of a task are consecutive
+    per_task_rates = rewards.view(len(tasks), n).mean(1)
+    stderr = (per_task_rates.std().item() / len(tasks) ** 0.5 if len(tasks) > 1
+              else float('nan'))
     families = sorted({t.info['family'] for t in trajs})
     per_family = {f: sum(t.reward for t in trajs if t.info['family'] == f) /
                   sum(t.info['family'] == f for t in trajs) for f in families}
     return dict(pass_rate=rewards.mean().item(), stderr=stderr, per_family=per_family,
                 per_task={t.name: r.item() for t, r in zip(tasks, per_task_rates)},
-                mean_length=sum(len(t.ids) for t in trajs) / len(trajs), n_episodes=len(trajs))
+                mean_length=sum(len(t.ids) for t in trajs) / len(trajs),
+                n_episodes=len(trajs))
 
 
 def cache_dir():
-    """Where slow artefacts are cached: $AGENTRL_CACHE, else ~/.cache/agentrl (created if missing)."""
+    """Where slow artefacts are cached: $AGENTRL_CACHE, else ~/.cache/agentrl
+    (created if missing)."""
     path = Path(os.environ.get('AGENTRL_CACHE', Path.home() / '.cache' / 'agentrl'))
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def recipe_hash(recipe):
-    """Short, stable hash of a JSON-able recipe dict (the cache key): 16 hex digits, key order irrelevant."""
+    """Short, stable hash of a JSON-able recipe dict (the cache key): 16 hex digits, key
+    order irrelevant."""
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def rl_base_path(tok, recipe=None):
     """The cache file of the RL base for this tokenizer and recipe (RL_BASE_RECIPE with
-    `recipe`'s changes). The key also hashes the demonstrations themselves, so a change to
-    the task generator rebuilds the base even when the recipe reads the same."""
+    `recipe`'s changes). The key also hashes the demonstrations themselves, so a change
+    to the task generator rebuilds the base even when the recipe reads the same."""
     recipe = _recipe(recipe)
     demos = make_demo_tasks(recipe['demos_per_family'], recipe['demo_seed'])
     data = recipe_hash([arl.demonstration(t) for t in demos])
@@ -167,9 +191,11 @@ def rl_base_path(tok, recipe=None):
 
 
 def make_rl_base(tok, recipe=None, verbose=True):
-    """TinyAgent after supervised warm start on expert demonstrations, built once and cached on disk.
+    """TinyAgent after supervised warm start on expert demonstrations, built once and
+    cached on disk.
 
-    The cache key hashes the recipe and the tokenizer's vocabulary; a second call loads the weights.
+    The cache key (rl_base_path) hashes the recipe, the tokenizer's vocabulary and the
+    demonstrations; a second call loads the weights.
     """
     from safetensors.torch import load_file, save_file
     recipe = _recipe(recipe)
@@ -181,11 +207,13 @@ def make_rl_base(tok, recipe=None, verbose=True):
         return model
     start = time.perf_counter()
     model, losses = build_rl_base(tok, recipe, progress=verbose)
-    tmp = path.with_suffix(f'.{os.getpid()}.tmp')           # unique: parallel builds never collide
+    # unique: parallel builds never collide
+    tmp = path.with_suffix(f'.{os.getpid()}.tmp')
     save_file(model.state_dict(), tmp)
-    tmp.replace(path)                                 # atomic: a crash never leaves a half-written cache
+    tmp.replace(path)           # atomic: a crash never leaves a half-written cache
     if verbose:
-        print(f'built RL base in {time.perf_counter() - start:.1f} s (final SFT loss {losses[-1]:.3f}); cached at {path}')
+        print(f'built RL base in {time.perf_counter() - start:.1f} s '
+              f'(final SFT loss {losses[-1]:.3f}); cached at {path}')
     return model
 
 

@@ -154,3 +154,55 @@ def test_train_sft_learns_and_validates():
             arl.train_sft(model, tasks, TOK, progress=False, **bad)
     with pytest.raises(ValueError):
         arl.train_sft(model, [], TOK, progress=False)
+
+
+def test_evaluate_stderr_and_per_task_by_hand(monkeypatch):
+    import math
+    import statistics
+    tasks = arl.make_tasks('heldout')[:4]
+    rewards = [[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0]]     # per task, n=4
+
+    def stub(model, env_fn, tasks_, tok, cfg, generator):
+        assert cfg.group_size == 4
+        return [arl.Trajectory(ids=torch.zeros(3), action_mask=torch.zeros(2),
+                               sample_logp=torch.zeros(2), reward=float(r),
+                               info=dict(task=t.name, family=t.family, group=g))
+                for g, (t, rs) in enumerate(zip(tasks_, rewards)) for r in rs]
+
+    monkeypatch.setattr(arl, 'sample_groups', stub)
+    result = arl.evaluate(None, tasks, TOK, 4)
+    rates = [sum(rs) / len(rs) for rs in rewards]                  # 0.75, 0, 1, 0.25
+    assert result['per_task'] == {t.name: r for t, r in zip(tasks, rates)}
+    assert result['pass_rate'] == pytest.approx(sum(rates) / 4)
+    # the task, not the episode, is the unit: sample std of the 4 rates / sqrt(4)
+    assert result['stderr'] == pytest.approx(statistics.stdev(rates) / math.sqrt(4))
+    # ... which differs from the (wrong) per-episode binomial error here
+    flat = [r for rs in rewards for r in rs]
+    assert result['stderr'] != pytest.approx(statistics.stdev(flat) / math.sqrt(len(flat)))
+    one = arl.evaluate(None, tasks[:1], TOK, 4)                    # one task: no spread
+    assert one['per_task'] == {tasks[0].name: 0.75} and math.isnan(one['stderr'])
+
+
+def test_rl_base_path_hashes_the_demonstrations(monkeypatch, tmp_path):
+    import dataclasses
+    monkeypatch.setenv('AGENTRL_CACHE', str(tmp_path))
+    path = arl.rl_base_path(TOK, TINY)
+    real = sft.make_demo_tasks
+
+    def same(n_per_family, seed):
+        return list(real(n_per_family, seed))
+
+    def other_answer(n_per_family, seed):
+        demos = real(n_per_family, seed)
+        return [dataclasses.replace(demos[0], answer=demos[0].answer + '0')] + demos[1:]
+
+    def one_fewer(n_per_family, seed):
+        return real(n_per_family, seed)[1:]
+
+    monkeypatch.setattr(sft, 'make_demo_tasks', same)
+    assert arl.rl_base_path(TOK, TINY) == path         # same demonstrations, same key
+    keys = {path}
+    for changed in (other_answer, one_fewer):         # same recipe, other demonstrations
+        monkeypatch.setattr(sft, 'make_demo_tasks', changed)
+        keys.add(arl.rl_base_path(TOK, TINY))
+    assert len(keys) == 3

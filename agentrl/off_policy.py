@@ -7,37 +7,49 @@ import agentrl as arl
 
 
 def importance_ratio(logp, old_logp, mask):
-    """Per-token ratio exp(logp - old_logp) on policy tokens, 1 elsewhere: logp, old_logp, mask [B, T] -> [B, T]."""
+    """Per-token ratio exp(logp - old_logp) on policy tokens, 1 elsewhere.
+
+    logp, old_logp, mask [B, T] -> [B, T].
+    """
     if logp.shape != old_logp.shape or logp.shape != mask.shape:
-        raise ValueError(f'logp, old_logp and mask must have one shape, got {tuple(logp.shape)}, '
-                         f'{tuple(old_logp.shape)} and {tuple(mask.shape)}')
+        raise ValueError(f'logp, old_logp and mask must have one shape, got '
+                         f'{tuple(logp.shape)}, {tuple(old_logp.shape)} and '
+                         f'{tuple(mask.shape)}')
     return torch.where(mask.bool(), (logp - old_logp).exp(), torch.ones_like(logp))
 
 
-def clipped_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, norm_const=None, weights=None):
+def clipped_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2,
+                 norm_const=None, weights=None):
     """PPO/GRPO clipped surrogate -> (loss, stats).
 
-    logp [B, T]: log-probs of the sampled tokens under the model being trained (with grad); old_logp [B, T]:
-    the same under the policy the update started from (no grad); adv [B] or [B, T]; mask [B, T] (1 on policy
-    tokens); weights [B, T]: optional per-token factors (e.g. truncated IS weights), default 1.
-    loss = -sum(min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) * weights * mask) / norm_const with
-    r = exp(logp - old_logp); norm_const defaults to mask.sum() (a token mean). clip_low = clip_high = None
-    gives the unclipped importance-weighted loss. stats (floats): clip_frac (share of policy tokens whose
-    gradient the clip removes), ratio_min, ratio_max, approx_kl (mean of r - 1 - log r, an estimate of
+    logp [B, T]: log-probs of the sampled tokens under the model being trained (with
+    grad); old_logp [B, T]: the same under the policy the update started from (no grad);
+    adv [B] or [B, T]; mask [B, T] (1 on policy tokens); weights [B, T]: optional
+    per-token factors (e.g. truncated IS weights), default 1.
+    loss = -sum(min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) * weights * mask)
+    / norm_const, with r = exp(logp - old_logp); norm_const defaults to mask.sum() (a
+    token mean). clip_low = clip_high = None gives the unclipped importance-weighted
+    loss. stats (floats): clip_frac (share of policy tokens whose gradient the clip
+    removes), ratio_min, ratio_max, approx_kl (mean of r - 1 - log r, an estimate of
     KL(old || new)).
     """
-    ratio = arl.importance_ratio(logp, old_logp, mask)                              # [B, T]
-    adv = adv[:, None] if adv.dim() == 1 else adv                                   # [B, 1] or [B, T]
+    ratio = arl.importance_ratio(logp, old_logp, mask)                     # [B, T]
+    # [B, 1] or [B, T]
+    adv = adv[:, None] if adv.dim() == 1 else adv
     if adv.shape[0] != logp.shape[0]:
         raise ValueError(f'adv has {adv.shape[0]} rows, logp has {logp.shape[0]}')
     weights = torch.ones_like(mask) if weights is None else weights
     if clip_low is None:
         objective, clipped = ratio * adv, torch.zeros_like(mask, dtype=torch.bool)
     else:
-        if not (0 <= clip_low < 1 and clip_high >= 0):
-            raise ValueError(f'need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}')
-        objective = torch.min(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
-        clipped = ((ratio > 1 + clip_high) & (adv > 0)) | ((ratio < 1 - clip_low) & (adv < 0))   # zero gradient
+        if clip_high is None or not (0 <= clip_low < 1 and clip_high >= 0):
+            raise ValueError(f'need 0 <= clip_low < 1 and clip_high >= 0, got '
+                             f'{clip_low}, {clip_high}')
+        clamped = ratio.clamp(1 - clip_low, 1 + clip_high)
+        objective = torch.min(ratio * adv, clamped * adv)
+        # the tokens whose gradient the clip sets to zero
+        clipped = (((ratio > 1 + clip_high) & (adv > 0))
+                   | ((ratio < 1 - clip_low) & (adv < 0)))
     norm_const = mask.sum().clamp(min=1) if norm_const is None else norm_const
     loss = -(objective * weights * mask).sum() / norm_const
     with torch.no_grad():
@@ -45,62 +57,85 @@ def clipped_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, norm_co
         n = on.sum().clamp(min=1)
         r, log_r = ratio[on], (logp - old_logp)[on]
         stats = dict(clip_frac=(clipped & on).sum().item() / n.item(),
-                     ratio_min=r.min().item() if r.numel() else 1.0, ratio_max=r.max().item() if r.numel() else 1.0,
+                     ratio_min=r.min().item() if r.numel() else 1.0,
+                     ratio_max=r.max().item() if r.numel() else 1.0,
                      approx_kl=(r - 1 - log_r).sum().item() / n.item())
     return loss, stats
 
 
 def truncated_is_weights(trainer_logp, sample_logp, mask, cap=2.0):
-    """Token-level truncated importance weights min(pi_trainer / mu_sampler, cap), 0 off the mask, no grad:
-    trainer_logp, sample_logp, mask [B, T] -> [B, T]."""
+    """Token-level truncated importance weights min(pi_trainer / mu_sampler, cap).
+
+    trainer_logp, sample_logp, mask [B, T] -> [B, T], 0 off the mask, without grad.
+    """
     if not cap > 0:
         raise ValueError(f'cap must be > 0, got {cap}')
     with torch.no_grad():
-        return arl.importance_ratio(trainer_logp, sample_logp, mask).clamp(max=cap) * mask
+        ratio = arl.importance_ratio(trainer_logp, sample_logp, mask)       # [B, T]
+        return ratio.clamp(max=cap) * mask
 
 
 @torch.no_grad()
 def batch_log_probs(model, batch, micro_batch_size=64):
-    """Log-probs of every next token of batch['ids'] [B, T] under `model`, in row chunks -> [B, T-1]."""
+    """Log-probs of every next token of batch['ids'] [B, T] under `model` -> [B, T-1].
+
+    Computed in chunks of micro_batch_size rows.
+    """
+    rows_all = torch.arange(len(batch['ids']))
     return torch.cat([arl.sequence_log_probs(model, batch['ids'][rows])
-                      for rows in torch.arange(len(batch['ids'])).split(micro_batch_size)])
+                      for rows in rows_all.split(micro_batch_size)])
 
 
-def ppo_update(model, optimizer, batch, advantages, cfg, epochs=4, clip=0.2, tis_cap=None, generator=None):
-    """`epochs` optimiser steps on one batch with the clipped surrogate -> list of per-epoch stats dicts.
+def ppo_update(model, optimizer, batch, advantages, cfg, epochs=4, clip=0.2,
+               tis_cap=None, generator=None):
+    """`epochs` clipped-surrogate optimiser steps on one batch -> stats per epoch.
 
-    The old log-probs are recomputed with `model` before the first step, so the first ratio is exactly 1.
-    With tis_cap, every token is also weighted by min(pi_old / mu_sampler, tis_cap) from batch['sample_logp'].
-    Micro-batches of cfg.micro_batch_size rows are normalised by the batch's policy-token count, so their
-    gradients add up to the full batch's; gradients are clipped to cfg.max_grad_norm. clip=None: no clipping.
-    Stats of an epoch describe the ratios seen by that epoch's forward pass (before its step).
+    batch: dict from collate (ids [B, T]; action_mask, sample_logp [B, T-1]; length
+    [B]); advantages [B]. The old log-probs are recomputed with `model` before the first
+    step, so the first ratio is 1 up to float rounding. With tis_cap, every token is
+    also weighted by min(pi_old / mu_sampler, tis_cap) from batch['sample_logp'].
+    Micro-batches of cfg.micro_batch_size rows are normalised by the batch's
+    policy-token count, so their gradients add up to the full batch's; gradients are
+    clipped to cfg.max_grad_norm. clip=None: no clipping. Returns one stats dict per
+    epoch; the stats of an epoch describe the ratios seen by that epoch's forward pass
+    (before its step).
     """
     if epochs < 1:
         raise ValueError(f'epochs must be >= 1, got {epochs}')
-    mask = batch['action_mask']
+    mask = batch['action_mask']                                            # [B, T-1]
     n_tokens = mask.sum()
-    old_logp = batch_log_probs(model, batch, cfg.micro_batch_size)                  # [B, T-1]
-    weights = mask if tis_cap is None else truncated_is_weights(old_logp, batch['sample_logp'], mask, tis_cap)
+    old_logp = batch_log_probs(model, batch, cfg.micro_batch_size)         # [B, T-1]
+    if tis_cap is None:
+        weights = mask
+    else:
+        weights = truncated_is_weights(old_logp, batch['sample_logp'], mask, tis_cap)
     history = []
     for epoch in range(epochs):
         model.train()
         optimizer.zero_grad()
-        rows_all = torch.randperm(len(mask), generator=generator) if generator is not None else torch.arange(len(mask))
-        totals = dict(loss=0.0, clip_frac=0.0, approx_kl=0.0, ratio_min=float('inf'), ratio_max=0.0)
+        if generator is not None:
+            rows_all = torch.randperm(len(mask), generator=generator)
+        else:
+            rows_all = torch.arange(len(mask))
+        totals = dict(loss=0.0, clip_frac=0.0, approx_kl=0.0, ratio_min=float('inf'),
+                      ratio_max=0.0)
         for rows in rows_all.split(cfg.micro_batch_size):
-            width = int(batch['length'][rows].max())                               # trim padding
+            width = int(batch['length'][rows].max())                      # trim padding
             sl = (rows, slice(0, width - 1))
-            logp = arl.sequence_log_probs(model, batch['ids'][rows, :width])        # [b, width-1]
-            loss, stats = clipped_loss(logp, old_logp[sl], advantages[rows], mask[sl], clip, clip,
-                                       norm_const=n_tokens, weights=weights[sl])
+            # [b, width-1]
+            logp = arl.sequence_log_probs(model, batch['ids'][rows, :width])
+            loss, stats = clipped_loss(logp, old_logp[sl], advantages[rows], mask[sl],
+                                       clip, clip, norm_const=n_tokens,
+                                       weights=weights[sl])
             loss.backward()
-            share = mask[sl].sum().item() / n_tokens.item()                         # token-weighted averages
+            share = mask[sl].sum().item() / n_tokens.item()   # token-weighted averages
             totals['loss'] += loss.item()
             totals['clip_frac'] += stats['clip_frac'] * share
             totals['approx_kl'] += stats['approx_kl'] * share
             totals['ratio_min'] = min(totals['ratio_min'], stats['ratio_min'])
             totals['ratio_max'] = max(totals['ratio_max'], stats['ratio_max'])
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        params = model.parameters()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()
         history.append(dict(epoch=epoch, grad_norm=float(grad_norm), **totals))
     model.eval()

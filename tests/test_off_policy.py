@@ -112,11 +112,66 @@ def test_ppo_update_first_epoch_is_on_policy_and_matches_reinforce_gradient():
         assert torch.allclose(p.grad, q.grad, atol=1e-6)
 
 
-def test_ppo_update_several_epochs_move_the_ratio():
+def _grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_ppo_update_tis_weights_enter_the_gradient_truncated_at_the_cap():
+    """A sampler that disagrees with the trainer: log mu = log pi - delta, so the trainer's
+    ratio pi / mu is exp(delta), known per token and on both sides of the cap. The first epoch
+    (ratio 1 against the recomputed old log-probs) must then give the token-mean REINFORCE
+    gradient with each token's term multiplied by min(exp(delta), cap)."""
     model, batch = _tiny_batch()
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    mask = batch['action_mask']
+    on = mask.bool()
+    with torch.no_grad():
+        own = arl.sequence_log_probs(model, batch['ids'])                 # log pi_old
+    delta = torch.empty_like(own).uniform_(-1.5, 1.5, generator=torch.Generator().manual_seed(1))
+    batch['sample_logp'] = (own - delta) * mask                           # the sampler's log mu
+    cap = 2.0
+    rho = delta.exp()
+    assert (rho[on] > 1.2 * cap).sum() > 10 and (rho[on] < 0.8).sum() > 10  # both sides
+
+    def reference_grad(weights):
+        ref = copy.deepcopy(model)
+        logp = arl.sequence_log_probs(ref, batch['ids'])
+        (-(weights * adv[:, None] * logp * mask).sum() / mask.sum()).backward()
+        return _grads(ref)
+
+    expected = reference_grad(rho.clamp(max=cap) * mask)
+    untruncated, unweighted = reference_grad(rho * mask), reference_grad(mask)
+    cfg = SimpleNamespace(micro_batch_size=4, max_grad_norm=1e9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    hist = arl.ppo_update(model, opt, batch, adv, cfg, epochs=1, tis_cap=cap)
+    got = _grads(model)
+    assert hist[0]['clip_frac'] == 0 and abs(hist[0]['ratio_max'] - 1) < 1e-5
+    assert torch.allclose(got, expected, atol=1e-6)
+    # the test can tell the difference: without the cap, or without the weights, it fails
+    scale = expected.norm()
+    assert (got - untruncated).norm() > 0.05 * scale and (got - unweighted).norm() > 0.05 * scale
+    # and the weights ppo_update used are the saved helper's, truncated at the cap
+    w = arl.truncated_is_weights(own, batch['sample_logp'], mask, cap)
+    assert torch.allclose(w, rho.clamp(max=cap) * mask, atol=1e-5) and w.max() <= cap
+
+
+def test_ppo_update_several_epochs_move_the_ratio():
+    model, batch = _tiny_batch()
+    start = copy.deepcopy(model)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
     cfg = SimpleNamespace(micro_batch_size=4, max_grad_norm=1.0)
-    hist = arl.ppo_update(model, torch.optim.Adam(model.parameters(), lr=1e-2), batch, adv, cfg, epochs=3, tis_cap=2.0)
-    assert len(hist) == 3 and hist[0]['approx_kl'] == 0 and hist[-1]['approx_kl'] > 0
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    hist = arl.ppo_update(model, opt, batch, adv, cfg, epochs=3)
+    assert len(hist) == 3 and [h['epoch'] for h in hist] == [0, 1, 2]
+    assert hist[0]['approx_kl'] < 1e-9 and abs(hist[0]['ratio_max'] - 1) < 1e-5
+    assert hist[-1]['approx_kl'] > 1e-4 and hist[-1]['ratio_max'] > 1 > hist[-1]['ratio_min']
+    # epoch 2's stats are the ratios of the model after two steps against the start
+    mid = copy.deepcopy(start)
+    mid_opt = torch.optim.Adam(mid.parameters(), lr=1e-2)
+    arl.ppo_update(mid, mid_opt, batch, adv, cfg, epochs=2)
+    mask = batch['action_mask']
+    log_r = (arl.batch_log_probs(mid, batch) - arl.batch_log_probs(start, batch))[mask.bool()]
+    assert hist[2]['approx_kl'] == pytest.approx((log_r.exp() - 1 - log_r).mean().item(), rel=1e-3)
+    assert hist[2]['ratio_max'] == pytest.approx(log_r.exp().max().item(), rel=1e-3)
     with pytest.raises(ValueError, match='epochs'):
         arl.ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, adv, cfg, epochs=0)

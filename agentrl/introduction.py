@@ -9,12 +9,18 @@ import torch
 
 
 def pick_device(prefer_gpu=True):
-    """'cuda' when a GPU is present and wanted, else 'cpu'. Chapters stay correct on either."""
+    """'cuda' when a GPU is present and wanted, else 'cpu'.
+
+    Chapters stay correct on either.
+    """
     return 'cuda' if prefer_gpu and torch.cuda.is_available() else 'cpu'
 
 
 def seed_everything(seed):
-    """Seed Python's, NumPy's (if installed) and torch's generators; return a torch.Generator seeded alike."""
+    """Seed Python's, NumPy's (if installed) and torch's generators.
+
+    Returns a torch.Generator seeded alike.
+    """
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f'seed must be a non-negative int, got {seed!r}')
     random.seed(seed)
@@ -49,18 +55,24 @@ class Timer:
 
 
 def plot_curves(curves, xlabel='step', ylabel='', title='', ax=None, smooth=1):
-    """Plot {label: list of y} (or {label: (xs, ys)}) as lines, optionally smoothed by a moving average -> ax.
+    """Plot {label: list of y} (or {label: (xs, ys)}) as lines -> ax.
 
-    matplotlib is imported here, not at package import, so `import agentrl` stays light.
+    smooth > 1 draws a moving average over that many points. matplotlib is imported
+    here, not at package import, so `import agentrl` stays light; without it this
+    raises an ImportError that names the extra to install.
     """
-    import matplotlib.pyplot as plt
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError('plot_curves needs matplotlib: '
+                          'pip install "agentrl-from-scratch[plots]"') from e
     if smooth < 1:
         raise ValueError(f'smooth must be >= 1, got {smooth}')
     ax = ax or plt.subplots(figsize=(6, 3.2))[1]
     for label, ys in curves.items():
         xs, ys = ys if isinstance(ys, tuple) else (range(len(ys)), ys)
         ys = torch.as_tensor(list(ys), dtype=torch.float64)
-        if smooth > 1 and len(ys) >= smooth:          # moving average, aligned to the window's end
+        if smooth > 1 and len(ys) >= smooth:  # moving average, window ending at each x
             ys = ys.unfold(0, smooth, 1).mean(-1)
             xs = list(xs)[smooth - 1:]
         ax.plot(list(xs), ys.tolist(), label=label)
@@ -70,14 +82,14 @@ def plot_curves(curves, xlabel='step', ylabel='', title='', ax=None, smooth=1):
     return ax
 
 
-TINY_MODEL_THREADS = 1      # the book's models run fastest on one thread (measured below)
+TINY_MODEL_THREADS = 1      # the book's models run fastest on one thread (measured)
 
 
 def set_torch_threads(n=TINY_MODEL_THREADS):
     """Set torch's intra-op CPU thread count to `n` -> the previous count.
 
-    One thread is the book's default: for tiny models a second OpenMP thread gains little,
-    and when another process holds a core it spin-waits at every operation.
+    One thread is the book's default: for tiny models a second OpenMP thread gains
+    little, and when another process holds a core it spin-waits at every operation.
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f'n must be an int >= 1, got {n!r}')

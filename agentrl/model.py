@@ -13,9 +13,10 @@ from torch.utils._pytree import tree_flatten
 def _attention_mask(mask, batch, heads):
     """nn.MultiheadAttention-style mask -> SDPA mask [B or 1, H or 1, L, S].
 
-    As in nn.MultiheadAttention, a bool mask is True where attention is NOT allowed (SDPA's bool masks mean
-    the opposite, so we invert) and a float mask is added to the scores. Accepted shapes: [L, S],
-    [B * heads, L, S], [B, L, S] (shared by all heads), [B, 1 | heads, L, S].
+    As in nn.MultiheadAttention, a bool mask is True where attention is NOT allowed
+    (SDPA's bool masks mean the opposite, so we invert) and a float mask is added to the
+    scores. Accepted shapes: [L, S], [B * heads, L, S], [B, L, S] (shared by all heads),
+    [B, 1 | heads, L, S].
     """
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(f'mask must be bool or floating point, got {mask.dtype}')
@@ -27,53 +28,67 @@ def _attention_mask(mask, batch, heads):
         elif mask.shape[0] == batch:
             mask = mask[:, None]
         else:
-            raise ValueError(f'mask of shape {tuple(mask.shape)}: first dimension must be batch ({batch}) '
-                             f'or batch * heads ({batch * heads})')
-    elif mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads):
-        raise ValueError(f'mask of shape {tuple(mask.shape)}: expected [L, S], [B*H, L, S], [B, L, S] '
-                         f'or [B, 1|H, L, S] with B={batch}, H={heads}')
+            raise ValueError(f'mask of shape {tuple(mask.shape)}: first dimension must '
+                             f'be batch ({batch}) or batch * heads ({batch * heads})')
+    elif (mask.dim() != 4 or mask.shape[0] not in (1, batch)
+          or mask.shape[1] not in (1, heads)):
+        raise ValueError(f'mask of shape {tuple(mask.shape)}: expected [L, S], '
+                         f'[B*H, L, S], [B, L, S] or [B, 1|H, L, S] '
+                         f'with B={batch}, H={heads}')
     return ~mask if mask.dtype == torch.bool else mask
 
 
 class SelfAttention(nn.Module):
-    """Multi-head causal self-attention with an optional KV cache: x [B, T, D] -> [B, T, D]."""
+    """Multi-head causal self-attention with an optional KV cache.
+
+    x [B, T, D] -> [B, T, D].
+    """
     def __init__(self, d_model, num_heads):
         super().__init__()
         if d_model % num_heads:
-            raise ValueError(f'd_model={d_model} must be divisible by num_heads={num_heads}')
+            raise ValueError(f'd_model={d_model} must be divisible by '
+                             f'num_heads={num_heads}')
         self.num_heads, self.head_dim = num_heads, d_model // num_heads
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x, mask=None, cache=None, layer=0):
-        """x [B, T, D] -> [B, T, D]. With a cache, x holds the T newest positions of each sequence."""
+        """x [B, T, D] -> [B, T, D]. With a cache, x holds the T newest positions of
+        each sequence."""
         B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, hd]
+        qkv = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)                 # 3 x [B, H, T, hd]
         if cache is not None:
             start = cache.length
             cache.k[layer][:, :, start:start + T] = k
             cache.v[layer][:, :, start:start + T] = v
-            k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]    # [B, H, S, hd]
+            # the cached prefix and the T new positions: [B, H, S, hd], S = start + T
+            k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
         S = k.shape[2]
         if mask is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=_attention_mask(mask, B, self.num_heads))
-        elif T == 1:                                    # one new token attends to the whole prefix
+            sdpa_mask = _attention_mask(mask, B, self.num_heads)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask)
+        elif T == 1:                          # one new token attends to all the prefix
             out = F.scaled_dot_product_attention(q, k, v)
         elif S == T:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:                                           # T new tokens after S - T cached ones
+        else:                                 # T new tokens after S - T cached ones
             allowed = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)). x [B, T, D] -> [B, T, D]."""
+    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)).
+
+    x [B, T, D] -> [B, T, D].
+    """
     def __init__(self, d_model, num_heads):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.self_attn = SelfAttention(d_model, num_heads)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                 nn.Linear(4 * d_model, d_model))
 
     def forward(self, x, mask=None, cache=None, layer=0):
         x = x + self.self_attn(self.norm1(x), mask=mask, cache=cache, layer=layer)
@@ -81,7 +96,10 @@ class Block(nn.Module):
 
 
 class Blocks(nn.Module):
-    """The stack of blocks, callable as blocks(h, mask=mask) like nn.TransformerEncoder: h [B, T, D] -> [B, T, D]."""
+    """The stack of blocks, callable as blocks(h, mask=mask) like nn.TransformerEncoder.
+
+    h [B, T, D] -> [B, T, D].
+    """
     def __init__(self, d_model, num_heads, n_layers):
         super().__init__()
         self.layers = nn.ModuleList(Block(d_model, num_heads) for _ in range(n_layers))
@@ -93,14 +111,17 @@ class Blocks(nn.Module):
 
 
 class TinyAgent(nn.Module):
-    """Decoder-only transformer: ids [B, T] -> logits [B, T, V] (and final hidden states [B, T, D]).
+    """Decoder-only transformer: ids [B, T] -> logits [B, T, V] (and the final hidden
+    states [B, T, D]).
 
-    Attributes later chapters use: tok_emb, pos_emb, blocks (blocks.layers[i].self_attn.num_heads), norm, head.
+    Attributes later chapters use: tok_emb, pos_emb, blocks
+    (blocks.layers[i].self_attn.num_heads), norm, head.
     """
     def __init__(self, vocab_size, d_model=64, n_layers=2, n_heads=4, max_len=256):
         super().__init__()
-        for name, value in (('vocab_size', vocab_size), ('d_model', d_model), ('n_layers', n_layers),
-                            ('n_heads', n_heads), ('max_len', max_len)):
+        for name, value in (('vocab_size', vocab_size), ('d_model', d_model),
+                            ('n_layers', n_layers), ('n_heads', n_heads),
+                            ('max_len', max_len)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f'{name} must be a positive int, got {value!r}')
         self.vocab_size, self.max_len = vocab_size, max_len
@@ -111,26 +132,33 @@ class TinyAgent(nn.Module):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
     def new_cache(self, batch, max_len=None):
-        """An empty KVCache for `batch` sequences of up to max_len (default: the model's) positions."""
+        """An empty KVCache for `batch` sequences of up to max_len (default: the
+        model's) positions."""
         attn = self.blocks.layers[0].self_attn
         p = self.head.weight
-        return KVCache(len(self.blocks.layers), batch, attn.num_heads, attn.head_dim, max_len or self.max_len,
-                       dtype=p.dtype, device=p.device)
+        return KVCache(len(self.blocks.layers), batch, attn.num_heads, attn.head_dim,
+                       max_len or self.max_len, dtype=p.dtype, device=p.device)
 
-    def forward(self, ids, position_ids=None, mask=None, cache=None, return_hidden=False):
-        """ids [B, T] -> logits [B, T, V]; with return_hidden also the normed hidden states [B, T, D].
+    def forward(self, ids, position_ids=None, mask=None, cache=None,
+                return_hidden=False):
+        """ids [B, T] -> logits [B, T, V]; with return_hidden also the normed hidden
+        states [B, T, D].
 
-        position_ids [B, T] or [T] (default: consecutive, continuing after the cache); mask as in
-        nn.MultiheadAttention (default: causal); cache: a KVCache that is read and then extended by T.
+        position_ids [B, T] or [T] (default: consecutive, continuing after the cache);
+        mask as in nn.MultiheadAttention (default: causal); cache: a KVCache that is
+        read and then extended by T.
         """
         if ids.dim() != 2 or ids.dtype not in (torch.long, torch.int32, torch.int64):
-            raise ValueError(f'ids must be an integer tensor [B, T], got {ids.dtype} of shape {tuple(ids.shape)}')
+            raise ValueError(f'ids must be an integer tensor [B, T], got {ids.dtype} '
+                             f'of shape {tuple(ids.shape)}')
         B, T = ids.shape
         start = cache.length if cache is not None else 0
         if start + T > self.max_len:
-            raise ValueError(f'sequence of {start + T} positions exceeds max_len={self.max_len}')
+            raise ValueError(f'sequence of {start + T} positions exceeds '
+                             f'max_len={self.max_len}')
         if cache is not None and start + T > cache.max_len:
-            raise ValueError(f'sequence of {start + T} positions exceeds the cache (max_len={cache.max_len})')
+            raise ValueError(f'sequence of {start + T} positions exceeds the cache '
+                             f'(max_len={cache.max_len})')
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=ids.device)
         h = self.tok_emb(ids) + self.pos_emb(position_ids)                 # [B, T, D]
@@ -142,14 +170,17 @@ class TinyAgent(nn.Module):
 
 
 class KVCache:
-    """Keys and values of every layer for a batch of sequences that all have the same length.
+    """Keys and values of every layer for a batch of sequences of one common length.
 
     k[i], v[i]: [B, H, max_len, head_dim]; positions [0, length) are filled.
     """
-    def __init__(self, n_layers, batch, n_heads, head_dim, max_len, dtype=torch.float32, device='cpu'):
+    def __init__(self, n_layers, batch, n_heads, head_dim, max_len, dtype=torch.float32,
+                 device='cpu'):
         shape = (batch, n_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device)
+                  for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device)
+                  for _ in range(n_layers)]
         self.length, self.max_len = 0, max_len
 
     def keep(self, rows):
@@ -159,40 +190,53 @@ class KVCache:
 
 
 def selected_log_probs(logits, ids):
-    """log softmax(logits)[ids], computed stably in float32: logits [..., V], ids [...] -> [...]."""
+    """log softmax(logits)[ids], computed stably in float32.
+
+    logits [..., V], ids [...] -> [...].
+    """
     if ids.shape != logits.shape[:-1]:
-        raise ValueError(f'ids of shape {tuple(ids.shape)} must match logits {tuple(logits.shape)} without '
-                         f'the last (vocabulary) dimension')
+        raise ValueError(f'ids of shape {tuple(ids.shape)} must match logits '
+                         f'{tuple(logits.shape)} without the last (vocabulary) '
+                         f'dimension')
     logits = logits.float()
     return logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
 def sequence_log_probs(model, ids):
-    """Log-prob of every next token under the model: ids [B, T] -> [B, T-1] (entry t scores ids[:, t+1])."""
+    """Log-prob of every next token under the model: ids [B, T] -> [B, T-1].
+
+    Entry t scores ids[:, t+1] given ids[:, :t+1].
+    """
     return selected_log_probs(model(ids)[:, :-1], ids[:, 1:])
 
 
 def chunked_log_probs(hidden, weight, ids, chunk_size=1024):
-    """Selected-token log-probs, chunk by chunk along T: hidden [B, T, D], weight [V, D], ids [B, T] -> [B, T].
+    """Selected-token log-probs, chunk by chunk along T.
 
-    Only a [B, chunk_size, V] slice of the logits exists at a time in the forward pass (autograd still
-    keeps each chunk's logits for backward; chapter 14 recomputes them instead).
+    hidden [B, T, D], weight [V, D], ids [B, T] -> [B, T]. Only a [B, chunk_size, V]
+    slice of the logits exists at a time in the forward pass (autograd still keeps each
+    chunk's logits for backward; chapter 14 recomputes them instead).
     """
     if chunk_size < 1:
         raise ValueError(f'chunk_size must be >= 1, got {chunk_size}')
     if hidden.dim() != 3 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f'need hidden [B, T, D] and weight [V, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}')
+        raise ValueError(f'need hidden [B, T, D] and weight [V, D], '
+                         f'got {tuple(hidden.shape)} and {tuple(weight.shape)}')
     if ids.shape != hidden.shape[:2]:
-        raise ValueError(f'ids of shape {tuple(ids.shape)} must be [B, T] = {tuple(hidden.shape[:2])}')
-    return torch.cat([selected_log_probs(hidden[:, s:s + chunk_size] @ weight.T, ids[:, s:s + chunk_size])
+        raise ValueError(f'ids of shape {tuple(ids.shape)} must be '
+                         f'[B, T] = {tuple(hidden.shape[:2])}')
+    return torch.cat([selected_log_probs(hidden[:, s:s + chunk_size] @ weight.T,
+                                         ids[:, s:s + chunk_size])
                       for s in range(0, hidden.shape[1], chunk_size)], dim=1)
 
 
 class StorageMeter(TorchDispatchMode):
-    """Tracks the bytes of tensor storages created on `device` while active (forward and backward ops).
+    """Tracks the bytes of tensor storages created on `device` while active (forward and
+    backward ops).
 
-    current: live bytes now; peak: the maximum of current; timeline: [(op name, live bytes after it)].
-    Storages that existed before the meter started are not counted (so the level at entry is 0).
+    current: live bytes now; peak: the maximum of current; timeline: [(op name, live
+    bytes after it)]. Storages that existed before the meter started are not counted
+    (so the level at entry is 0).
     """
     def __init__(self, device='cpu'):
         super().__init__()
@@ -207,14 +251,15 @@ class StorageMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+        inputs = {t.untyped_storage().data_ptr()
+                  for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor)}
         self._drop_freed()
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device != self.device:
                 continue
             storage = t.untyped_storage()
-            if storage.nbytes() == 0 or storage.data_ptr() in inputs:      # a view or an in-place result
+            if storage.nbytes() == 0 or storage.data_ptr() in inputs:   # view, in-place
                 continue
             ref = StorageWeakRef(storage)
             if ref.cdata not in self.live:
@@ -226,9 +271,10 @@ class StorageMeter(TorchDispatchMode):
 
 
 def measure_peak_memory(fn, device='cpu'):
-    """Call fn() (e.g. a forward and backward) -> (peak bytes of tensor memory above the level at entry, result).
+    """Call fn() (e.g. a forward and backward) -> (peak bytes, result).
 
-    CPU: a StorageMeter tracks live tensor storages. CUDA: torch.cuda's allocator counters (block-rounded).
+    peak: the peak of tensor memory above the level at entry. CPU: a StorageMeter
+    tracks live tensor storages. CUDA: torch.cuda's allocator counters (block-rounded).
     """
     if not callable(fn):
         raise TypeError(f'fn must be callable, got {type(fn).__name__}')

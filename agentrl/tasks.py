@@ -7,19 +7,24 @@ import random
 from dataclasses import dataclass
 
 
-MAX_NESTING = 64            # deeper parentheses / unary minus chains are rejected, never a RecursionError
+# deeper parentheses / unary minus chains are rejected, never a RecursionError
+MAX_NESTING = 64
 
 
 def calculate(expr):
-    """The calculator tool: evaluate an integer expression with + - * and parentheses -> int.
+    """The calculator tool: evaluate an integer expression with + - * and ( ) -> int.
 
-    Recursive descent over the grammar  expression := term (('+'|'-') term)*,  term := atom ('*' atom)*,
-    atom := NUMBER | '(' expression ')' | '-' atom.  Never calls eval. Raises TypeError if `expr` is not a
-    str and ValueError if it is malformed or nested deeper than MAX_NESTING.
+    Recursive descent over the grammar
+        expression := term (('+'|'-') term)*
+        term       := atom ('*' atom)*
+        atom       := NUMBER | '(' expression ')' | '-' atom
+    Never calls eval. Raises TypeError if `expr` is not a str and ValueError if it is
+    malformed or nested deeper than MAX_NESTING.
     """
     if not isinstance(expr, str):
         raise TypeError(f'expr must be a str, got {type(expr).__name__}')
-    tokens = re.findall(r'[0-9]+|\S', expr)          # numbers, and every other non-space character alone
+    # numbers, and every other non-space character on its own
+    tokens = re.findall(r'[0-9]+|\S', expr)
     pos = 0
 
     def peek():
@@ -29,13 +34,15 @@ def calculate(expr):
         nonlocal pos
         if pos == len(tokens) or (expected is not None and tokens[pos] != expected):
             found = tokens[pos] if pos < len(tokens) else 'end of input'
-            raise ValueError(f'expected {expected or "a number"}, found {found!r} in {expr!r}')
+            raise ValueError(f'expected {expected or "a number"}, '
+                             f'found {found!r} in {expr!r}')
         pos += 1
         return tokens[pos - 1]
 
-    def atom(depth):                                 # NUMBER | '(' expression ')' | '-' atom
+    def atom(depth):                        # NUMBER | '(' expression ')' | '-' atom
         if depth > MAX_NESTING:
-            raise ValueError(f'{expr[:20]!r}... is nested deeper than MAX_NESTING={MAX_NESTING}')
+            raise ValueError(f'{expr[:20]!r}... is nested deeper than '
+                             f'MAX_NESTING={MAX_NESTING}')
         if peek() == '(':
             take('(')
             value = expression(depth + 1)
@@ -49,14 +56,14 @@ def calculate(expr):
             raise ValueError(f'expected a number, found {t!r} in {expr!r}')
         return int(t)
 
-    def term(depth):                                 # atom ('*' atom)*
+    def term(depth):                        # atom ('*' atom)*
         value = atom(depth)
         while peek() == '*':
             take('*')
             value *= atom(depth)
         return value
 
-    def expression(depth):                           # term (('+' | '-') term)*
+    def expression(depth):                  # term (('+' | '-') term)*
         value = term(depth)
         while peek() in ('+', '-'):
             value = value + term(depth) if take() == '+' else value - term(depth)
@@ -72,10 +79,11 @@ ERROR = 'error'
 
 
 def run_tool(call, store):
-    """Execute one tool call, 'calc EXPR' or 'get KEY', against `store` (a dict) -> observation text.
+    """Run one tool call, 'calc EXPR' or 'get KEY', against `store` (a dict) -> text.
 
-    A malformed expression, an unknown tool or a missing key gives the text ERROR ('error'): the agent sees
-    its mistake as an observation and the episode goes on. Raises TypeError only if `call` is not a str.
+    A malformed expression, an unknown tool or a missing key gives the text ERROR
+    ('error'): the agent sees its mistake as an observation and the episode goes on.
+    Raises TypeError only if `call` is not a str.
     """
     if not isinstance(call, str):
         raise TypeError(f'call must be a str, got {type(call).__name__}')
@@ -98,30 +106,36 @@ KEYS = tuple(f'k{i}' for i in range(10))
 
 @dataclass(frozen=True)
 class Task:
-    """One verifiable tool-use task; `store` is the key-value store the environment holds for it."""
+    """One verifiable tool-use task; `store` is the key-value store the environment
+    holds for it."""
     name: str
     family: str
     prompt: str
     answer: str
     store: tuple = ()           # ((key, value), ...)
-    calls: tuple = ()           # the expert's tool calls, in order, e.g. ('get k3', 'calc 42+17')
+    # the expert's tool calls, in order, e.g. ('get k3', 'calc 42+17')
+    calls: tuple = ()
 
 
 def _make_task(family, rng):
-    """Draw one task of `family` from the random.Random `rng` -> dict of Task fields (without the name)."""
+    """Draw one task of `family` from the random.Random `rng` -> dict of Task fields
+    (all but the name)."""
     keys = rng.sample(KEYS, 5)
     store = tuple((k, rng.randint(10, 99)) for k in keys)
     value = dict(store)
     if family == 'max':                               # no tool needed
         xs = [rng.randint(0, 9) for _ in range(rng.randint(3, 6))]
-        return dict(prompt='max ' + ' '.join(map(str, xs)), answer=str(max(xs)), store=(), calls=())
+        return dict(prompt='max ' + ' '.join(map(str, xs)), answer=str(max(xs)),
+                    store=(), calls=())
     if family == 'calc':                              # needs the calculator
         a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice('+*')
         expr = f'{a}{op}{b}'
-        return dict(prompt=expr, answer=str(calculate(expr)), store=(), calls=(f'calc {expr}',))
+        return dict(prompt=expr, answer=str(calculate(expr)), store=(),
+                    calls=(f'calc {expr}',))
     if family == 'lookup':                            # needs the key-value store
         k = rng.choice(keys)
-        return dict(prompt=f'{k}?', answer=str(value[k]), store=store, calls=(f'get {k}',))
+        return dict(prompt=f'{k}?', answer=str(value[k]), store=store,
+                    calls=(f'get {k}',))
     if family == 'chain':                             # a lookup, then the calculator
         k, c, op = rng.choice(keys), rng.randint(10, 99), rng.choice('+*')
         expr = f'{value[k]}{op}{c}'
@@ -136,12 +150,15 @@ def _make_task(family, rng):
 
 
 def expert_actions(task):
-    """The expert's actions for `task`: one '<call>CALL</call>' per tool call, then '<ans>ANSWER</ans>'."""
-    return [f'<call>{call}</call>' for call in task.calls] + [f'<ans>{task.answer}</ans>']
+    """The expert's actions for `task`: one '<call>CALL</call>' per tool call, then
+    '<ans>ANSWER</ans>'."""
+    calls = [f'<call>{call}</call>' for call in task.calls]
+    return calls + [f'<ans>{task.answer}</ans>']
 
 
 def demonstration(task):
-    """The expert's whole episode for `task` as text: prompt, tool calls with their observations, answer."""
+    """The expert's whole episode for `task` as text: prompt, tool calls with their
+    observations, answer."""
     store = dict(task.store)
     text = '<bos>' + task.prompt
     for call in task.calls:
@@ -154,9 +171,9 @@ def make_tasks(split='train', n_train=48, n_heldout=8, seed=0):
     (n_heldout per family) or 'all' (train + heldout).
 
     Tasks are drawn until each family has n_train + n_heldout distinct (prompt, store)
-    pairs; the first n_heldout of each family go to the held-out split, so the splits never
-    share a task. Each split is ordered round-robin by family (FAMILIES order), so any
-    prefix of k * len(FAMILIES) tasks holds exactly k tasks of every family.
+    pairs; the first n_heldout of each family go to the held-out split, so the splits
+    never share a task. Each split is ordered round-robin by family (FAMILIES order), so
+    any prefix of k * len(FAMILIES) tasks holds exactly k tasks of every family.
     """
     if split not in ('train', 'heldout', 'all'):
         raise ValueError(f"split must be 'train', 'heldout' or 'all', got {split!r}")
@@ -178,7 +195,7 @@ def make_tasks(split='train', n_train=48, n_heldout=8, seed=0):
             name = f'{family}-{tag}{len(part[family]):03d}'
             part[family].append(Task(name=name, family=family, **t))
 
-    def round_robin(by_family):                       # max, calc, ..., sum, max, calc, ...
+    def round_robin(by_family):                # max, calc, ..., sum, max, calc, ...
         return [by_family[f][i] for i in range(len(by_family[FAMILIES[0]]))
                 for f in FAMILIES]
 
@@ -186,28 +203,32 @@ def make_tasks(split='train', n_train=48, n_heldout=8, seed=0):
     return {'train': train, 'heldout': heldout, 'all': train + heldout}[split]
 
 
-SPECIAL_TOKENS = ('<pad>', '<bos>', '<call>', '</call>', '<obs>', '</obs>', '<ans>', '</ans>')
+SPECIAL_TOKENS = ('<pad>', '<bos>', '<call>', '</call>', '<obs>', '</obs>',
+                  '<ans>', '</ans>')
 
 
 _SPECIAL_RE = re.compile('(' + '|'.join(re.escape(s) for s in SPECIAL_TOKENS) + ')')
 
 
 def split_tokens(text):
-    """Text -> list of token strings: each special token is one token, every other character is one."""
+    """Text -> list of token strings: each special token is one token, and so is every
+    other character."""
     return [piece for part in _SPECIAL_RE.split(text) if part
             for piece in ([part] if part in SPECIAL_TOKENS else list(part))]
 
 
 class Tokenizer:
-    """Character-level tokenizer with the special tokens of tool calls, observations and answers.
+    """Character-level tokenizer with special tokens for calls, observations, answers.
 
-    itos: list id -> token (special tokens first, then the sorted characters); stoi: dict token -> id.
+    itos: list id -> token (special tokens first, then the sorted characters);
+    stoi: dict token -> id.
     """
     def __init__(self, chars):
         plain = set(chars) - set(SPECIAL_TOKENS)
         bad = sorted(c for c in plain if not isinstance(c, str) or len(c) != 1)
         if bad:
-            raise ValueError(f'chars must be single characters or special tokens, got {bad[:5]}')
+            raise ValueError(f'chars must be single characters or special tokens, '
+                             f'got {bad[:5]}')
         self.itos = list(SPECIAL_TOKENS) + sorted(plain)
         self.stoi = {s: i for i, s in enumerate(self.itos)}
         self.pad_id, self.bos_id = self.stoi['<pad>'], self.stoi['<bos>']
@@ -216,26 +237,31 @@ class Tokenizer:
         return len(self.itos)
 
     def encode(self, text):
-        """str -> list of ids. Raises ValueError naming the first character outside the vocabulary."""
+        """str -> list of ids. Raises ValueError naming the first character outside
+        the vocabulary."""
         if not isinstance(text, str):
             raise TypeError(f'text must be a str, got {type(text).__name__}')
         pieces = split_tokens(text)
         unknown = next((p for p in pieces if p not in self.stoi), None)
         if unknown is not None:
-            raise ValueError(f'character {unknown!r} is not in the vocabulary of {len(self)} tokens')
+            raise ValueError(f'character {unknown!r} is not in the vocabulary '
+                             f'of {len(self)} tokens')
         return [self.stoi[p] for p in pieces]
 
     def decode(self, ids):
-        """Iterable of ids (ints or a 1-D tensor) -> str. Raises ValueError for an id outside [0, len)."""
+        """Iterable of ids (ints or a 1-D tensor) -> str. Raises ValueError for an id
+        outside [0, len)."""
         ids = [int(i) for i in ids]
         bad = next((i for i in ids if not 0 <= i < len(self.itos)), None)
         if bad is not None:
-            raise ValueError(f'id {bad} is outside the vocabulary of {len(self)} tokens')
+            raise ValueError(f'id {bad} is outside the vocabulary '
+                             f'of {len(self)} tokens')
         return ''.join(self.itos[i] for i in ids)
 
 
 def build_tokenizer(tasks):
-    """A Tokenizer covering every character of the tasks' demonstrations and of the environment's messages."""
+    """A Tokenizer covering every character of the tasks' demonstrations and of the
+    environment's messages."""
     chars = set(ERROR) | set('0123456789+-*() ')
     for task in tasks:
         chars |= set(split_tokens(demonstration(task)))
@@ -244,7 +270,8 @@ def build_tokenizer(tasks):
 
 @dataclass
 class EnvConfig:
-    """Episode limits: at most max_turns tool calls and max_tokens tokens (prompt and observations included)."""
+    """Episode limits: at most max_turns tool calls and max_tokens tokens (prompt and
+    observations included)."""
     max_turns: int = 6
     max_tokens: int = 160
 
@@ -252,15 +279,18 @@ class EnvConfig:
 class ToolEnv:
     """Holds one task's store, runs the agent's tool calls and grades its answer.
 
-    reset(task) -> prompt text. step(action) -> (observation text, done, reward), where `action` is the text
-    the agent produced since its last turn (ending in '</call>' or '</ans>', or cut by the token limit).
-    After the episode ends, `outcome` is 'correct', 'wrong', 'turn_limit' or 'token_limit'.
+    reset(task) -> prompt text. step(action) -> (observation text, done, reward), where
+    `action` is the text the agent produced since its last turn (ending in '</call>'
+    or '</ans>', or cut by the token limit). After the episode ends, `outcome` is
+    'correct', 'wrong', 'turn_limit' or 'token_limit'.
     """
     def __init__(self, max_turns=6, max_tokens=160):
         if max_turns < 0 or max_tokens < 1:
-            raise ValueError(f'need max_turns >= 0 and max_tokens >= 1, got {max_turns} and {max_tokens}')
+            raise ValueError(f'need max_turns >= 0 and max_tokens >= 1, '
+                             f'got {max_turns} and {max_tokens}')
         self.max_turns, self.max_tokens = max_turns, max_tokens
-        self.task, self.done, self.outcome, self.turns, self.length = None, True, None, 0, 0
+        self.task, self.done, self.outcome = None, True, None
+        self.turns, self.length = 0, 0
 
     def reset(self, task):
         """Start an episode of `task` -> the prompt text '<bos>PROMPT'."""
@@ -275,22 +305,29 @@ class ToolEnv:
         return '', True, reward
 
     def step(self, action):
-        """One agent turn -> (observation, done, reward); the observation is '' once the episode is done."""
+        """One agent turn -> (observation, done, reward); the observation is '' once the
+        episode is done."""
         if self.done:
-            raise RuntimeError('step() called without a running episode; call reset(task) first')
+            raise RuntimeError('step() called without a running episode; '
+                               'call reset(task) first')
         self.length += len(split_tokens(action))
         if action.endswith('</ans>'):
-            answer = action[action.rfind('<ans>') + len('<ans>'):-len('</ans>')] if '<ans>' in action else None
+            answer = None
+            if '<ans>' in action:
+                answer = action[action.rfind('<ans>') + len('<ans>'):-len('</ans>')]
             correct = answer == self.task.answer
             return self._finish('correct' if correct else 'wrong', float(correct))
         if self.length >= self.max_tokens:
             return self._finish('token_limit')
         if not action.endswith('</call>'):
-            raise ValueError(f"action must end in '</call>' or '</ans>' below the token limit, got {action!r}")
+            raise ValueError(f"action must end in '</call>' or '</ans>' below the "
+                             f"token limit, got {action!r}")
         self.turns += 1
         if self.turns > self.max_turns:
             return self._finish('turn_limit')
-        call = action[action.rfind('<call>') + len('<call>'):-len('</call>')] if '<call>' in action else ''
+        call = ''
+        if '<call>' in action:
+            call = action[action.rfind('<call>') + len('<call>'):-len('</call>')]
         observation = f'<obs>{run_tool(call, self.store)}</obs>'
         self.length += len(split_tokens(observation))
         if self.length > self.max_tokens:
@@ -299,16 +336,19 @@ class ToolEnv:
 
 
 def make_env(cfg=None):
-    """A fresh ToolEnv with the limits of `cfg` (any object with max_turns and max_tokens; default EnvConfig())."""
+    """A fresh ToolEnv with the limits of `cfg` (any object with max_turns and
+    max_tokens; default EnvConfig())."""
     cfg = cfg or EnvConfig()
     return ToolEnv(cfg.max_turns, cfg.max_tokens)
 
 
 def play_episode(env, task, actions):
-    """Replay scripted `actions` (texts) in `env` on `task` until the episode ends -> (turns, reward).
+    """Replay scripted `actions` (texts) in `env` on `task` until the episode ends
+    -> (turns, reward).
 
-    turns: list of (writer, text), writer 'env' (prompt, observations) or 'agent' (actions). Actions left
-    when the episode ends are ignored; raises ValueError if the actions run out before it ends.
+    turns: list of (writer, text), writer 'env' (prompt, observations) or 'agent'
+    (actions). Actions left when the episode ends are ignored; raises ValueError if the
+    actions run out before it ends.
     """
     turns = [('env', env.reset(task))]
     for action in actions:

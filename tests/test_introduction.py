@@ -1,4 +1,6 @@
 """Tests for the chapter 1 helpers (agentrl/introduction.py)."""
+import sys
+
 import matplotlib
 matplotlib.use('Agg')
 import pytest
@@ -35,3 +37,31 @@ def test_plot_curves_smooths_with_a_moving_average():
     assert xb == [20, 30] and yb == [1.0, 1.0]
     with pytest.raises(ValueError, match='smooth'):
         arl.plot_curves({'a': [1]}, smooth=0)
+
+
+@pytest.mark.parametrize("missing", ["matplotlib", "matplotlib.pyplot"])
+def test_plot_curves_without_matplotlib_names_the_extra(monkeypatch, missing):
+    monkeypatch.setitem(sys.modules, missing, None)      # as if matplotlib were not installed
+    with pytest.raises(ImportError, match=r'agentrl-from-scratch\[plots\]') as info:
+        arl.plot_curves({'a': [1, 2]})
+    assert not isinstance(info.value, ModuleNotFoundError)   # ours, not the bare import error
+    assert isinstance(info.value.__cause__, ImportError)
+
+
+def test_set_torch_threads_returns_previous_and_sets():
+    start = torch.get_num_threads()
+    try:
+        assert arl.set_torch_threads(2) == start
+        assert torch.get_num_threads() == 2
+        assert arl.set_torch_threads() == 2                  # default: TINY_MODEL_THREADS
+        assert torch.get_num_threads() == arl.TINY_MODEL_THREADS == 1
+    finally:
+        torch.set_num_threads(start)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, '2', None])
+def test_set_torch_threads_rejects_bad_counts(bad):
+    start = torch.get_num_threads()
+    with pytest.raises(ValueError, match=r'\bn\b'):
+        arl.set_torch_threads(bad)
+    assert torch.get_num_threads() == start                  # unchanged

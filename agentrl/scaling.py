@@ -13,19 +13,23 @@ from tqdm.auto import tqdm
 def pack_sequences(trajs, max_tokens, pad_id=0):
     """Pack trajectories into rows of max_tokens tokens by first-fit decreasing -> dict.
 
-    ids, position_ids, segment_ids: [R, L] (positions restart at 0 in every trajectory; segment k = the k-th
-    trajectory of its row, -1 = padding); action_mask, sample_logp: [R, L-1] (0 at padding and at the last
-    position of a trajectory, which would predict the next trajectory's first token); rows: for each row, the
-    indices into `trajs` it holds, left to right.
+    ids, position_ids, segment_ids: [R, L] (positions restart at 0 in every
+    trajectory; segment k = the k-th trajectory of its row, -1 = padding); action_mask,
+    sample_logp: [R, L-1] (0 at padding and at the last position of a trajectory, which
+    would predict the next trajectory's first token); rows: for each row, the indices
+    into `trajs` it holds, left to right.
     """
     if max_tokens < 2:
         raise ValueError(f'max_tokens must be at least 2, got {max_tokens}')
-    rows, free = [], []                                        # members and free tokens of each row
-    for i in sorted(range(len(trajs)), key=lambda i: -len(trajs[i].ids)):   # longest first
+    rows, free = [], []                           # members and free tokens of each row
+    # longest first
+    for i in sorted(range(len(trajs)), key=lambda i: -len(trajs[i].ids)):
         n = len(trajs[i].ids)
         if n > max_tokens:
-            raise ValueError(f'trajectory {i} has {n} tokens, more than a row of max_tokens={max_tokens}')
-        r = next((r for r, space in enumerate(free) if space >= n), len(rows))   # first row with room
+            raise ValueError(f'trajectory {i} has {n} tokens, more than a row of '
+                             f'max_tokens={max_tokens}')
+        # the first row with room, else a new one
+        r = next((r for r, space in enumerate(free) if space >= n), len(rows))
         if r == len(rows):
             rows.append([])
             free.append(max_tokens)
@@ -35,7 +39,8 @@ def pack_sequences(trajs, max_tokens, pad_id=0):
     out = dict(ids=torch.full((R, L), pad_id, dtype=torch.long),
                position_ids=torch.zeros(R, L, dtype=torch.long),
                segment_ids=torch.full((R, L), -1, dtype=torch.long),
-               action_mask=torch.zeros(R, L - 1), sample_logp=torch.zeros(R, L - 1), rows=rows)
+               action_mask=torch.zeros(R, L - 1), sample_logp=torch.zeros(R, L - 1),
+               rows=rows)
     for r, members in enumerate(rows):
         start = 0
         for k, i in enumerate(members):
@@ -44,45 +49,53 @@ def pack_sequences(trajs, max_tokens, pad_id=0):
             out['ids'][r, start:end] = t.ids
             out['position_ids'][r, start:end] = torch.arange(end - start)
             out['segment_ids'][r, start:end] = k
-            out['action_mask'][r, start:end - 1] = t.action_mask.float()   # position p predicts token p + 1
+            # position p predicts token p + 1
+            out['action_mask'][r, start:end - 1] = t.action_mask.float()
             out['sample_logp'][r, start:end - 1] = t.sample_logp.float()
             start = end
     return out
 
 
 def packed_logits(model, ids, position_ids, segment_ids):
-    """TinyAgent on packed rows -> logits [R, L, V]; ids, position_ids, segment_ids: [R, L].
+    """TinyAgent on packed rows -> logits [R, L, V]; ids, position_ids, segment_ids:
+    [R, L].
 
-    Each token attends only to earlier tokens of its own segment (block-diagonal causal attention). The mask is
-    boolean with True = blocked (nn.MultiheadAttention's convention), shaped [R, 1, L, L] so that it broadcasts
-    over the heads instead of being copied per head.
+    Each token attends only to earlier tokens of its own segment (block-diagonal causal
+    attention). The mask is boolean with True = blocked (nn.MultiheadAttention's
+    convention), shaped [R, 1, L, L] so that it broadcasts over the heads instead of
+    being copied per head.
     """
     if not ids.shape == position_ids.shape == segment_ids.shape:
-        raise ValueError(f'ids {tuple(ids.shape)}, position_ids {tuple(position_ids.shape)} and segment_ids '
+        raise ValueError(f'ids {tuple(ids.shape)}, position_ids '
+                         f'{tuple(position_ids.shape)} and segment_ids '
                          f'{tuple(segment_ids.shape)} must have the same shape [R, L]')
     L = ids.shape[1]
-    causal = torch.ones(L, L, dtype=torch.bool, device=ids.device).tril()      # [L, L]
-    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]           # [R, L, L]
-    blocked = ~(causal & same_segment)                                          # the diagonal is always allowed
-    return model(ids, position_ids=position_ids, mask=blocked[:, None])         # mask [R, 1, L, L]
+    causal = torch.ones(L, L, dtype=torch.bool, device=ids.device).tril()   # [L, L]
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]        # [R, L, L]
+    blocked = ~(causal & same_segment)                 # the diagonal is always allowed
+    # mask [R, 1, L, L]
+    return model(ids, position_ids=position_ids, mask=blocked[:, None])
 
 
 def token_budget_batches(lengths, max_tokens):
-    """Group sequence indices into micro-batches whose padded size (members x longest member) <= max_tokens.
+    """Group sequence indices into micro-batches whose padded size (members x longest
+    member) <= max_tokens.
 
-    lengths: [N] ints or a 1-D tensor. Sequences are taken longest first, so each micro-batch holds similar
-    lengths -> list of lists of indices. A sequence longer than max_tokens raises ValueError: it fits in no
-    micro-batch (split or truncate it before batching).
+    lengths: [N] ints or a 1-D tensor. Sequences are taken longest first, so each
+    micro-batch holds similar lengths -> list of lists of indices. A sequence longer
+    than max_tokens raises ValueError: it fits in no micro-batch (split or truncate it
+    before batching).
     """
     lengths = [int(n) for n in lengths]
     if max_tokens < 1:
         raise ValueError(f'max_tokens must be at least 1, got {max_tokens}')
     for i, n in enumerate(lengths):
         if n > max_tokens:
-            raise ValueError(f'sequence {i} has {n} tokens, more than the budget max_tokens={max_tokens}')
+            raise ValueError(f'sequence {i} has {n} tokens, more than the budget '
+                             f'max_tokens={max_tokens}')
     batches, current = [], []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        # the first member is the longest one: it sets the padded width of the micro-batch
+        # the first member is the longest: it sets the padded width of the micro-batch
         if current and (len(current) + 1) * lengths[current[0]] > max_tokens:
             batches.append(current)
             current = []
@@ -91,49 +104,58 @@ def token_budget_batches(lengths, max_tokens):
 
 
 def _chunk_log_probs(hidden, weight, ids):
-    """One chunk: hidden [B, C, D], weight [V, D], ids [B, C] -> [B, C]; its logits live only inside this call."""
+    """One chunk: hidden [B, C, D], weight [V, D], ids [B, C] -> [B, C]; its logits live
+    only inside this call."""
     return arl.selected_log_probs(hidden @ weight.T, ids)
 
 
 def checkpointed_log_probs(hidden, weight, ids, chunk_size=1024):
-    """Selected-token log-probs, chunk by chunk, recomputing each chunk's logits in backward instead of keeping them.
+    """Selected-token log-probs, chunk by chunk, recomputing each chunk's logits in
+    backward instead of keeping them.
 
-    hidden [B, T, D], weight [V, D], ids [B, T] -> [B, T]. Peak memory holds one chunk's logits [B, chunk_size, V]
-    whatever T is; the price is one more hidden @ weight.T per chunk in the backward pass.
+    hidden [B, T, D], weight [V, D], ids [B, T] -> [B, T]. Peak memory holds one chunk's
+    logits [B, chunk_size, V] whatever T is; the price is one more hidden @ weight.T per
+    chunk in the backward pass.
     """
     if chunk_size < 1:
         raise ValueError(f'chunk_size must be at least 1, got {chunk_size}')
-    pieces = [checkpoint(_chunk_log_probs, hidden[:, s:s + chunk_size], weight, ids[:, s:s + chunk_size],
-                         use_reentrant=False)
+    pieces = [checkpoint(_chunk_log_probs, hidden[:, s:s + chunk_size], weight,
+                         ids[:, s:s + chunk_size], use_reentrant=False)
               for s in range(0, hidden.shape[1], chunk_size)]
     return torch.cat(pieces, dim=1)
 
 
 def data_parallel_worker(rank, world_size, job_path, init_path):
-    """One rank of a data-parallel REINFORCE gradient on CPU (gloo); run it with torch.multiprocessing.spawn.
+    """One rank of a data-parallel REINFORCE gradient on CPU (gloo); run it with
+    torch.multiprocessing.spawn.
 
-    job_path holds (torch.save) a dict: model, ids [B, T], action_mask [B, T-1], advantages [B], shards (per rank,
-    a list of micro-batches, each a list of row indices). For normalize in ('local', 'global') rank 0 writes the
-    flattened gradient to f'{job_path}.{normalize}'. 'global' divides by the all-reduced token count.
+    job_path holds (torch.save) a dict: model, ids [B, T], action_mask [B, T-1],
+    advantages [B], shards (per rank, a list of micro-batches, each a list of row
+    indices). For normalize in ('local', 'global') rank 0 writes the flattened gradient
+    to f'{job_path}.{normalize}'. 'global' divides by the all-reduced token count.
     """
-    dist.init_process_group('gloo', init_method=f'file://{init_path}', rank=rank, world_size=world_size)
+    dist.init_process_group('gloo', init_method=f'file://{init_path}', rank=rank,
+                            world_size=world_size)
     try:
         job = torch.load(job_path, weights_only=False)
         model = torch.nn.parallel.DistributedDataParallel(job['model'])
         micro_batches = [torch.tensor(rows) for rows in job['shards'][rank]]
         local_tokens = sum(job['action_mask'][rows].sum() for rows in micro_batches)
         global_tokens = local_tokens.clone()
-        dist.all_reduce(global_tokens)                          # sum of every rank's policy tokens
+        dist.all_reduce(global_tokens)              # sum of every rank's policy tokens
         for normalize in ('local', 'global'):
-            # DDP averages gradients over ranks, so 'global' divides by N / world_size to get sum / N overall
+            # DDP averages gradients over ranks, so 'global' divides by N / world_size
+            # to get sum / N overall
             norm = local_tokens if normalize == 'local' else global_tokens / world_size
             model.zero_grad()
             for k, rows in enumerate(micro_batches):
                 last = k == len(micro_batches) - 1
-                with contextlib.nullcontext() if last else model.no_sync():   # all-reduce once, after the last
-                    logp = arl.sequence_log_probs(model, job['ids'][rows])    # [b, T-1]
-                    loss = arl.reinforce_loss(logp, job['advantages'][rows], job['action_mask'][rows],
-                                              mode='constant', norm_const=norm)
+                # all-reduce once, after the last micro-batch
+                with contextlib.nullcontext() if last else model.no_sync():
+                    logp = arl.sequence_log_probs(model, job['ids'][rows])   # [b, T-1]
+                    loss = arl.reinforce_loss(logp, job['advantages'][rows],
+                                              job['action_mask'][rows], mode='constant',
+                                              norm_const=norm)
                     loss.backward()
             if rank == 0:
                 grad = torch.cat([p.grad.flatten() for p in model.module.parameters()])
@@ -149,13 +171,16 @@ def filter_by_pass_rate(tasks, pass_rates, low=0.0, high=1.0):
     return [task for task, p in zip(tasks, pass_rates) if low < p < high]
 
 
-def train_curriculum(model, tasks, tok, cfg, steps, low=0.0, high=1.0, revisit=1):
-    """RL (Chapter 7's loop) that samples only tasks whose estimated pass rate is in (low, high), plus `revisit`
-    random excluded tasks per step -> history (a dict per step).
+def train_curriculum(model, tasks, tok, cfg, steps, low=0.0, high=1.0, revisit=1,
+                     progress=True):
+    """RL (Chapter 7's loop) that samples only tasks whose estimated pass rate is in
+    (low, high), plus `revisit` random excluded tasks per step -> history (a dict per
+    step).
 
-    Every task starts at an estimate of 0.5 (unknown, so in the pool); each sampled group replaces its task's
-    estimate with the group's pass rate. history: pool, n_episodes, zero_adv_frac (share of groups with equal
-    rewards), kept, behaviour stats and update stats.
+    Every task starts at an estimate of 0.5 (unknown, so in the pool); each sampled
+    group replaces its task's estimate with the group's pass rate. history: pool,
+    n_episodes, zero_adv_frac (share of groups with equal rewards), kept, behaviour
+    stats and update stats. progress=False hides the progress bar.
     """
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -163,23 +188,28 @@ def train_curriculum(model, tasks, tok, cfg, steps, low=0.0, high=1.0, revisit=1
     env_fn = lambda: arl.make_env(cfg)
     estimate = {task.name: 0.5 for task in tasks}
     G, history = cfg.group_size, []
-    for step in tqdm(range(steps), desc='curriculum', leave=False):
+    bar = tqdm(range(steps), desc='curriculum', leave=False, disable=not progress)
+    for step in bar:
         pool = filter_by_pass_rate(tasks, [estimate[t.name] for t in tasks], low, high)
         names = {t.name for t in pool}
         excluded = [t for t in tasks if t.name not in names]
-        again = [excluded[i] for i in torch.randperm(len(excluded), generator=gen)[:revisit].tolist()]
-        candidates = pool + again
-        kept, sampled = arl.sample_step(model, env_fn, candidates, tok, cfg, gen) if candidates else ([], [])
+        pick = torch.randperm(len(excluded), generator=gen)[:revisit].tolist()
+        candidates = pool + [excluded[i] for i in pick]
+        kept, sampled = (arl.sample_step(model, env_fn, candidates, tok, cfg, gen)
+                         if candidates else ([], []))
         flat = 0
         for g in range(0, len(sampled), G):
             rewards = [t.reward for t in sampled[g:g + G]]
             estimate[sampled[g].info['task']] = sum(rewards) / len(rewards)
             flat += len(set(rewards)) == 1
-        record = dict(step=step, pool=len(pool), n_episodes=len(sampled), kept=len(kept),
-                      zero_adv_frac=flat / max(len(sampled) // G, 1), **arl.behavior_stats(sampled))
+        record = dict(step=step, pool=len(pool), n_episodes=len(sampled),
+                      kept=len(kept), zero_adv_frac=flat / max(len(sampled) // G, 1),
+                      **arl.behavior_stats(sampled))
         if kept:
             batch = arl.collate(kept, tok.pad_id)
-            record.update(arl.rl_update(model, optimizer, batch, arl.compute_advantages(batch, cfg), cfg, None, gen))
+            advantages = arl.compute_advantages(batch, cfg)
+            stats = arl.rl_update(model, optimizer, batch, advantages, cfg, None, gen)
+            record.update(stats)
         history.append(record)
     return history
 

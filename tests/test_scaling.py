@@ -2,6 +2,7 @@
 loss normalisation across data-parallel ranks, the pass-rate curriculum."""
 import pytest
 import torch
+import torch.multiprocessing as mp
 from hypothesis import given, settings, strategies as st
 
 import agentrl as arl
@@ -56,8 +57,53 @@ def test_packing_places_every_token_once(lengths, extra, seed):
             real[r, span] = True
             start += n
     assert (packed['segment_ids'][~real] == -1).all() and (packed['ids'][~real] == 0).all()
+    assert int(real.sum()) == sum(lengths)                                  # every token exactly once
     assert packed['action_mask'].sum() == sum(t.action_mask.sum() for t in trajs)
-    assert R <= 2 * -(-sum(lengths) // L) + 1                                # first fit never needs 2x the bound
+    # first fit decreasing: members longest first, and each went into the first row with room,
+    # so it did not fit into any earlier row (whose fill only grew afterwards)
+    fill = [sum(lengths[i] for i in members) for members in packed['rows']]
+    for j, members in enumerate(packed['rows']):
+        assert [lengths[i] for i in members] == sorted((lengths[i] for i in members), reverse=True)
+        for i in members:
+            assert all(fill[r] + lengths[i] > L for r in range(j))
+    assert R >= -(-sum(lengths) // L)
+
+
+def _optimal_rows(lengths, L):
+    """The fewest rows of L tokens that hold all lengths (exact; dynamic programme over subsets).
+
+    best[S] = (rows, fill of the last row), minimised lexicographically, for the subset S of items
+    placed in some order: the optimum of bin packing (each order of placement is an assignment).
+    """
+    n = len(lengths)
+    best = [(1, 0)] + [None] * ((1 << n) - 1)
+    for S in range(1, 1 << n):
+        options = []
+        for i in range(n):
+            if S >> i & 1:
+                rows, last = best[S ^ (1 << i)]
+                fits = last + lengths[i] <= L
+                options.append((rows, last + lengths[i]) if fits else (rows + 1, lengths[i]))
+        best[S] = min(options)
+    return best[-1][0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=10), extra=st.integers(0, 12))
+def test_packing_rows_within_the_first_fit_decreasing_bound(lengths, extra):
+    # Dosa (2007): FFD(I) <= 11/9 OPT(I) + 6/9, and the bound is tight
+    L = max(max(lengths), 2) + extra
+    R = len(arl.pack_sequences(_trajectories(lengths), L)['rows'])
+    opt = _optimal_rows(lengths, L)
+    assert opt <= R and 9 * R <= 11 * opt + 6
+
+
+def test_packing_first_fit_decreasing_can_miss_the_optimum():
+    # rows of 12: the optimum is 5+4+3 and 5+3+3+1; FFD fills 5+5+1 and 4+3+3, then 3 is left alone
+    lengths = [5, 5, 4, 3, 3, 3, 1]
+    packed = arl.pack_sequences(_trajectories(lengths), 12)
+    assert _optimal_rows(lengths, 12) == 2
+    assert packed['rows'] == [[0, 1, 6], [2, 3, 4], [5]]
 
 
 def test_packing_first_fit_decreasing_reaches_the_bound():
@@ -145,6 +191,32 @@ def test_checkpointed_log_probs_rejects_a_bad_chunk():
         arl.checkpointed_log_probs(torch.zeros(1, 2, 3), torch.zeros(4, 3), torch.zeros(1, 2, dtype=torch.long), 0)
 
 
+def test_checkpointed_log_probs_peak_memory_is_flat_in_T():
+    """Chapter 3's CPU meter over forward + backward: recomputation keeps the logits-sized part of
+    the peak at a few chunks whatever T is, where chunking alone keeps every chunk's logits."""
+    Vbig, D, C = 4096, 8, 16
+    chunk_logits = C * Vbig * 4                                    # one chunk of float32 logits
+    weight = torch.randn(Vbig, D, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    peaks = {}
+    for T in (64, 256, 1024):
+        gen = torch.Generator().manual_seed(T)
+        hidden = torch.randn(1, T, D, generator=gen).requires_grad_()
+        ids = torch.randint(Vbig, (1, T), generator=gen)
+        for name, fn in (('recompute', arl.checkpointed_log_probs), ('chunked', arl.chunked_log_probs)):
+            def forward_backward():
+                hidden.grad = weight.grad = None
+                fn(hidden, weight, ids, chunk_size=C).sum().backward()
+            peaks[name, T] = arl.measure_peak_memory(forward_backward)[0]
+    for T in (256, 1024):
+        # tensors of one row per token (hidden's gradient [T, D], the log-probs [T] and their
+        # gradient) may grow with T; the logits must not: allow a tenth of one chunk's logits
+        per_token = (T - 64) * 4 * (D + 2)
+        assert peaks['recompute', T] - peaks['recompute', 64] <= per_token + chunk_logits / 10
+        # the meter does see logits that pile up: chunking alone keeps all T / C chunks
+        assert peaks['chunked', T] - peaks['chunked', 64] >= 0.9 * (T - 64) / C * chunk_logits
+    assert peaks['recompute', 64] <= 6 * chunk_logits + weight.numel() * 4
+
+
 # ---------------------------------------------------------------- filter_by_pass_rate
 
 @settings(max_examples=100, deadline=None)
@@ -180,20 +252,43 @@ def test_curriculum_drops_tasks_it_never_solves():
 
 # ---------------------------------------------------------------- data_parallel_worker
 
-def test_data_parallel_worker_single_rank_reproduces_the_full_batch_gradient(tmp_path):
+def _flat_grad(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_data_parallel_worker_two_ranks_global_normalisation_is_the_full_batch(tmp_path):
+    """Two gloo processes with unequal shards: dividing by the all-reduced token count reproduces
+    the single-process full-batch token mean; dividing by each rank's own count does not (it gives
+    the mean over ranks of per-rank token means)."""
     torch.manual_seed(0)
     model = arl.TinyAgent(V, d_model=16, n_layers=1, n_heads=2, max_len=32)
-    trajs = _trajectories([5, 9, 12, 7])
+    trajs = _trajectories([4, 5, 12, 14, 10, 16])
     batch = arl.collate(trajs, 0)
-    adv = torch.tensor([1.0, -0.5, 0.25, -0.75])
+    adv = torch.tensor([1.0, -0.5, 0.25, -0.75, 0.5, -1.0])
+    shards = [[[0], [1]], [[2, 3], [4, 5]]]                 # rank 0: two short rows, rank 1: four long
+    mask = batch['action_mask']
+    rank_tokens = [float(sum(mask[rows].sum() for rows in shard)) for shard in shards]
+    assert rank_tokens[1] > 3 * rank_tokens[0]                  # unequal: the normalisations differ
     job = str(tmp_path / 'job.pt')
-    torch.save(dict(model=model, ids=batch['ids'], action_mask=batch['action_mask'], advantages=adv,
-                    shards=[[[0, 3], [1, 2]]]), job)
-    arl.data_parallel_worker(0, 1, job, str(tmp_path / 'rendezvous'))
+    torch.save(dict(model=model, ids=batch['ids'], action_mask=mask, advantages=adv, shards=shards),
+               job)
+    mp.spawn(arl.data_parallel_worker, args=(2, job, str(tmp_path / 'rendezvous')), nprocs=2)
+    grads = {normalize: torch.load(f'{job}.{normalize}') for normalize in ('local', 'global')}
+
     model.zero_grad()
     logp = arl.sequence_log_probs(model, batch['ids'])
-    arl.reinforce_loss(logp, adv, batch['action_mask'], mode='token_mean').backward()
-    full = torch.cat([p.grad.flatten() for p in model.parameters()])
-    for normalize in ('local', 'global'):                                    # one rank: both are the full batch
-        grad = torch.load(f'{job}.{normalize}')
-        assert torch.allclose(grad, full, atol=1e-6)
+    arl.reinforce_loss(logp, adv, mask, mode='token_mean').backward()
+    full = _flat_grad(model)
+    # what local normalisation computes: DDP's mean over ranks of each rank's own token mean
+    model.zero_grad()
+    for shard in shards:
+        rows = torch.tensor([i for micro in shard for i in micro])
+        logp = arl.sequence_log_probs(model, batch['ids'][rows])
+        (arl.reinforce_loss(logp, adv[rows], mask[rows], mode='token_mean') / len(shards)).backward()
+    per_rank_mean = _flat_grad(model)
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+    assert rel(grads['global'], full) < 1e-5
+    assert rel(grads['local'], per_rank_mean) < 1e-5
+    assert rel(grads['local'], full) > 0.05

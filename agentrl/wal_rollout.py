@@ -10,8 +10,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from crc32c import crc32c
 import hashlib
+import math
 import torch
 import torch.nn.functional as F
+import numbers
 import signal
 import time
 from collections import deque
@@ -21,73 +23,85 @@ import sys
 
 
 def simulate_interruptions(lengths, lam, n_complete, rng, resume):
-    """Rollouts interrupted by a Poisson process of rate `lam` per decoded token, until n_complete finish.
+    """Rollouts interrupted by a Poisson process of rate `lam` per decoded token, until
+    n_complete of them finish.
 
-    lengths: the length distribution p(L), as a sample drawn from with replacement. resume=False: an
-    interrupted request is thrown away and a fresh one (a new length) takes its place; resume=True: it
-    continues from its log. -> dict(completed [n_complete] lengths, decoded: tokens decoded in all,
-    wasted: tokens decoded by attempts that were thrown away, interruptions).
+    lengths: the length distribution p(L), as a sample drawn from with replacement.
+    resume=False: an interrupted request is thrown away and a fresh one (a new length)
+    takes its place; resume=True: it continues from its log. -> dict(completed
+    [n_complete] lengths, decoded: tokens decoded in all, wasted: tokens decoded by
+    attempts that were thrown away, interruptions).
     """
     lengths = np.asarray(lengths, dtype=np.float64)
     if lam < 0:
         raise ValueError(f'lam must be >= 0, got {lam}')
-    if resume:                        # an interruption only delays a request: every sampled length completes
+    if resume:
+        # an interruption only delays a request: every sampled length completes
         completed = rng.choice(lengths, n_complete)
         return dict(completed=completed, decoded=completed.sum(), wasted=0.0,
                     interruptions=int(rng.poisson(lam * completed).sum()))
     completed, decoded, wasted, interruptions = [], 0.0, 0.0, 0
     while len(completed) < n_complete:
-        L = rng.choice(lengths, 4 * n_complete)                                   # attempts, in order
-        T = rng.exponential(1 / lam, len(L)) if lam > 0 else np.full(len(L), np.inf)   # time to interruption
+        L = rng.choice(lengths, 4 * n_complete)                   # attempts, in order
+        # time (in decoded tokens) to the next interruption
+        T = rng.exponential(1 / lam, len(L)) if lam > 0 else np.full(len(L), np.inf)
         ok = T >= L
         need = n_complete - len(completed)
-        if ok.sum() >= need:                       # cut right after the attempt that completes the quota
+        if ok.sum() >= need:     # cut right after the attempt that completes the quota
             last = np.flatnonzero(ok)[need - 1]
             L, T, ok = L[:last + 1], T[:last + 1], ok[:last + 1]
         completed += L[ok].tolist()
         decoded += L[ok].sum() + T[~ok].sum()
         wasted += T[~ok].sum()
         interruptions += int((~ok).sum())
-    return dict(completed=np.array(completed), decoded=decoded, wasted=wasted, interruptions=interruptions)
+    return dict(completed=np.array(completed), decoded=decoded, wasted=wasted,
+                interruptions=interruptions)
 
 
 def discard_restart_theory(lengths, lam):
-    """What discard-and-restart predicts for length distribution p(L) (a sample) at rate lam ->
-    dict(weights [N]: p(L) e^(-lam L) normalised over the sample, mean: mean completed length,
-    decoded: tokens decoded per completed request, wasted: of which thrown away)."""
+    """What discard-and-restart predicts for the length distribution p(L) (a sample) at
+    rate lam -> dict(weights [N]: p(L) e^(-lam L) normalised over the sample, mean: mean
+    completed length, decoded: tokens decoded per completed request, wasted: of which
+    thrown away)."""
     L = np.asarray(lengths, dtype=np.float64)
-    survive = np.exp(-lam * L)                                        # P(no interruption within L tokens)
+    survive = np.exp(-lam * L)             # P(no interruption within L tokens)
     weights = survive / survive.sum()
-    attempt_tokens = L if lam == 0 else -np.expm1(-lam * L) / lam     # E[min(T, L) | L]
+    # E[min(T, L) | L]: the tokens an attempt decodes
+    attempt_tokens = L if lam == 0 else -np.expm1(-lam * L) / lam
     decoded = attempt_tokens.mean() / survive.mean()
     mean = float((weights * L).sum())
     return dict(weights=weights, mean=mean, decoded=decoded, wasted=decoded - mean)
 
 
-WAL_BLOCK_SIZE = 32 * 1024              # as LevelDB: after a damaged record, reading resumes at the next block
+# As LevelDB: a record never crosses a 32 KiB block boundary.
+WAL_BLOCK_SIZE = 32 * 1024
 
 
-RECORD_HEADER = struct.Struct('<IHB')   # crc32c (4 bytes) | payload length (2 bytes) | record type (1 byte)
+# crc32c (4 bytes) | payload length (2 bytes) | record type (1 byte)
+RECORD_HEADER = struct.Struct('<IHB')
 
 
 WAL_MAX_PAYLOAD = WAL_BLOCK_SIZE - RECORD_HEADER.size
 
 
-# Record types; 0 is reserved: a header of zeros is padding at the end of a block (as in LevelDB).
+# Record types; 0 is reserved: a header of zeros is padding at the end of a block (as in
+# LevelDB).
 REC_META, REC_START, REC_TOKEN, REC_FORCED, REC_FINISH = 1, 2, 3, 4, 5
 
 
-RECORD_NAMES = {REC_META: 'meta', REC_START: 'start', REC_TOKEN: 'token', REC_FORCED: 'forced',
-                REC_FINISH: 'finish'}
+RECORD_NAMES = {REC_META: 'meta', REC_START: 'start', REC_TOKEN: 'token',
+                REC_FORCED: 'forced', REC_FINISH: 'finish'}
 
 
 START_PAYLOAD = struct.Struct('<II')      # request, task index
 
 
-TOKEN_PAYLOAD = struct.Struct('<IIIf')    # request, position, token id, the sampler's log-prob (float32)
+# request, position, token id, the sampler's log-prob (float32)
+TOKEN_PAYLOAD = struct.Struct('<IIIf')
 
 
-FORCED_PAYLOAD = struct.Struct('<III')    # request, position, token id (prompt or tool observation)
+# request, position, token id (prompt or tool observation)
+FORCED_PAYLOAD = struct.Struct('<III')
 
 
 FINISH_PAYLOAD = struct.Struct('<IIfBB')  # request, length, reward, outcome code, turns
@@ -97,11 +111,13 @@ OUTCOME_CODES = ('correct', 'wrong', 'token_limit', 'turn_limit')
 
 
 def encode_record(rtype, payload):
-    """One log record -> bytes: crc32c | length | type | payload, the checksum covering length, type, payload."""
+    """One log record -> bytes: crc32c | length | type | payload, the checksum covering
+    length, type and payload."""
     if not 1 <= rtype <= 255:
         raise ValueError(f'rtype must be in 1..255 (0 marks padding), got {rtype}')
     if len(payload) > WAL_MAX_PAYLOAD:
-        raise ValueError(f'payload of {len(payload)} bytes exceeds WAL_MAX_PAYLOAD={WAL_MAX_PAYLOAD}')
+        raise ValueError(f'payload of {len(payload)} bytes exceeds '
+                         f'WAL_MAX_PAYLOAD={WAL_MAX_PAYLOAD}')
     body = struct.pack('<HB', len(payload), rtype) + payload
     return struct.pack('<I', crc32c(body)) + body
 
@@ -114,26 +130,47 @@ def _sync(fd):
     (os.fdatasync if hasattr(os, 'fdatasync') else os.fsync)(fd)
 
 
+def sync_dir(path):
+    """fsync the directory `path`: a file created, renamed or removed in it keeps that
+    change after a power loss only once its directory has been synced as well."""
+    if os.name == 'nt':        # Windows cannot open a directory (NTFS journals names)
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class WalWriter:
     """Append-only writer of log records under a durability policy.
 
-    'token': every record is written and fsynced at once. 'step': records wait in memory until commit(),
-    which writes them all and fsyncs once (group commit). 'os': commit() writes without fsync, leaving to
-    the kernel when the bytes reach the disk. `durable` is the file offset up to which records are committed.
+    'token': every record is written and fsynced at once. 'step': records wait in
+    memory until commit(), which writes them all and fsyncs once (group commit). 'os':
+    commit() writes without fsync, leaving to the kernel when the bytes reach the disk.
+    `durable` is the file offset up to which records are committed. Under 'token' and
+    'step' a log the writer creates is made durable by name too: its directory is
+    fsynced (counted in dir_syncs).
     """
     def __init__(self, path, policy='step'):
         if policy not in DURABILITY_POLICIES:
-            raise ValueError(f'policy must be one of {DURABILITY_POLICIES}, got {policy!r}')
-        self.policy = policy
+            raise ValueError(
+                f'policy must be one of {DURABILITY_POLICIES}, got {policy!r}')
+        self.policy, path = policy, Path(path)
+        created = not path.exists()
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.offset = self.durable = os.fstat(self.fd).st_size
         self.pending = bytearray()
-        self.syncs = 0
+        self.syncs = self.dir_syncs = 0
+        if created and policy != 'os':   # the new file's name must survive power loss
+            sync_dir(path.parent)
+            self.dir_syncs += 1
 
     def append(self, rtype, payload):
         record = encode_record(rtype, payload)
         room = WAL_BLOCK_SIZE - self.offset % WAL_BLOCK_SIZE
-        if len(record) > room:            # records never straddle blocks: zero-pad the rest of this one
+        if len(record) > room:
+            # records never straddle blocks: zero-pad the rest of this one
             self.pending += bytes(room)
             self.offset += room
         self.pending += record
@@ -142,7 +179,8 @@ class WalWriter:
             self.commit()
 
     def commit(self):
-        """Hand the pending records to the OS (and fsync, unless policy 'os'); returns the durable offset."""
+        """Hand the pending records to the OS (and fsync, unless policy 'os'); returns
+        the durable offset."""
         if self.pending:
             data = bytes(self.pending)
             self.pending.clear()
@@ -160,13 +198,30 @@ class WalWriter:
         os.close(self.fd)
 
 
-def scan_log(data):
-    """Split a log image (bytes) into records, following LevelDB's reader -> (records, report).
+def _next_record(data, start, stop):
+    """The first offset in [start, stop) at which a whole record with a valid checksum
+    starts (and ends by `stop`), or None: how reading resynchronises after damage."""
+    for q in range(start, stop - RECORD_HEADER.size + 1):
+        crc, length, rtype = RECORD_HEADER.unpack_from(data, q)
+        end = q + RECORD_HEADER.size + length
+        if rtype and end <= stop and crc32c(data[q + 4:end]) == crc:
+            return q
+    return None
 
-    records: [(offset, rtype, payload)] of the records whose checksum holds. An incomplete record at the
-    end is a torn write and is dropped silently (report['torn_tail_bytes']); any other damage is reported
-    in report['corruptions'] as (offset, reason, bytes skipped) and reading resumes at the next block.
-    report['valid_end'] is the offset just past the last good record. Never raises on bad bytes.
+
+def scan_log(data):
+    """Split a log image (bytes) into records, as LevelDB's reader does, with a stricter
+    rule for the tail -> (records, report).
+
+    records: [(offset, rtype, payload)] of the records whose checksum holds. Damage (a
+    checksum that fails, a length that crosses a block, non-zero padding) is reported in
+    report['corruptions'] as (offset, reason, bytes skipped), and reading resumes at the
+    next valid record of that block (found by scanning), else at the next block. A
+    record cut off by the end of the file is a torn write, dropped silently
+    (report['torn_tail_bytes']), but only if no valid record follows it; if one does,
+    the cut-off record has a damaged length and is reported. report['valid_end'] is the
+    offset just past the last good record: no valid record lies beyond it, so a writer
+    may cut the file there. Never raises on bad bytes.
     """
     data = memoryview(bytes(data))
     records, corruptions = [], []
@@ -174,44 +229,53 @@ def scan_log(data):
     while pos < size:
         block_end = (pos // WAL_BLOCK_SIZE + 1) * WAL_BLOCK_SIZE
         stop = min(block_end, size)
-        trailer = block_end - pos < RECORD_HEADER.size  # a block's last bytes, too short for a header
-        if not trailer and pos + RECORD_HEADER.size > size:   # the header itself is cut off: a torn write
-            torn = size - pos
+        # a block's last bytes, too short for a header, are zero padding
+        trailer = block_end - pos < RECORD_HEADER.size
+        if not trailer and pos + RECORD_HEADER.size > size:
+            torn = size - pos            # the header itself is cut off: a torn write
             break
-        if trailer or RECORD_HEADER.unpack_from(data, pos) == (0, 0, 0):   # zero padding to the block end
+        reason = resync = None
+        if trailer or RECORD_HEADER.unpack_from(data, pos) == (0, 0, 0):   # padding
             if any(data[pos:stop]):
-                corruptions.append((pos, 'non-zero bytes in block padding', stop - pos))
-            elif block_end > size:                   # padding cut off by the end: a torn write as well
+                reason = 'non-zero bytes in block padding'
+            elif block_end > size:           # padding cut off by the end: a torn write
                 torn = size - pos
                 break
             else:
-                valid_end = block_end
-            pos = block_end
-            continue
-        crc, length, rtype = RECORD_HEADER.unpack_from(data, pos)
-        end = pos + RECORD_HEADER.size + length
-        if end > block_end:                          # no writer lets a record cross a block boundary
-            corruptions.append((pos, 'record crosses a block boundary', stop - pos))
-            pos = block_end
-            continue
-        if end > size:                               # the payload is cut off: a torn write
-            torn = size - pos
-            break
-        if crc32c(data[pos + 4:end]) != crc:
-            corruptions.append((pos, 'checksum mismatch', stop - pos))
-            pos = block_end                          # the length may be wrong too: resynchronise at the block
-            continue
-        records.append((pos, rtype, bytes(data[pos + RECORD_HEADER.size:end])))
-        pos = valid_end = end
-    report = dict(bytes=size, records=len(records), valid_end=valid_end, torn_tail_bytes=torn,
-                  corruptions=corruptions)
+                valid_end = pos = block_end
+                continue
+        else:
+            crc, length, rtype = RECORD_HEADER.unpack_from(data, pos)
+            end = pos + RECORD_HEADER.size + length
+            if end > block_end:              # no writer lets a record cross a block
+                reason = 'record crosses a block boundary'
+            elif end > size:                 # cut off by the end of the file
+                resync = _next_record(data, pos + 1, stop)
+                if resync is None:
+                    torn = size - pos        # nothing valid after it: a torn write
+                    break
+                reason = 'length runs past the end of the file'  # yet records follow
+            elif crc32c(data[pos + 4:end]) != crc:
+                reason = 'checksum mismatch'
+            else:
+                records.append((pos, rtype, bytes(data[pos + RECORD_HEADER.size:end])))
+                pos = valid_end = end
+                continue
+        # Damage: the length cannot be trusted, so look for the next valid record.
+        if resync is None:
+            resync = _next_record(data, pos + 1, stop)
+        corruptions.append((pos, reason, (stop if resync is None else resync) - pos))
+        pos = block_end if resync is None else resync
+    report = dict(bytes=size, records=len(records), valid_end=valid_end,
+                  torn_tail_bytes=torn, corruptions=corruptions)
     return records, report
 
 
 @dataclass
 class RequestLog:
-    """What the log holds about one request: its task, its tokens so far (with the sampled flag and the
-    sampler's log-prob of each), and once it has finished, finish = (reward, outcome, turns)."""
+    """What the log holds about one request: its task, its tokens so far (with the
+    sampled flag and the sampler's log-prob of each), and once it has finished,
+    finish = (reward, outcome, turns)."""
     task: int
     tokens: list = field(default_factory=list)
     sampled: list = field(default_factory=list)
@@ -221,7 +285,8 @@ class RequestLog:
 
 @dataclass
 class WalState:
-    """What a log recovers to: meta (the spec of the run), requests {request id: RequestLog}, report."""
+    """What a log recovers to: meta (the spec of the run), requests {request id:
+    RequestLog}, report."""
     meta: dict
     requests: dict
     report: dict
@@ -230,9 +295,10 @@ class WalState:
 def replay_records(records, report):
     """Rebuild every request from checksummed records (scan_log's output) -> WalState.
 
-    A token is accepted only at the next position of its request, so each request recovers to a gap-free
-    prefix of what was decoded. A record whose predecessor was lost (an orphan) is dropped, and the engine
-    decodes that position again; it cannot put a wrong token into a trajectory.
+    A token is accepted only at the next position of its request, so each request
+    recovers to a gap-free prefix of what was decoded. A record whose predecessor was
+    lost (an orphan) is dropped, and the engine decodes that position again; it cannot
+    put a wrong token into a trajectory.
     """
     meta, requests = None, {}
     counts = dict(orphans=0, duplicates=0, conflicts=0, malformed=0)
@@ -254,8 +320,10 @@ def replay_records(records, report):
                 req = requests.get(rid)
                 if req is None or req.finish is not None or position > len(req.tokens):
                     counts['orphans'] += 1
-                elif position < len(req.tokens):     # written twice: must agree with the first copy
-                    same = req.tokens[position] == token and req.sampled[position] == (rtype == REC_TOKEN)
+                elif position < len(req.tokens):
+                    # written twice: must agree with the first copy
+                    same = (req.tokens[position] == token
+                            and req.sampled[position] == (rtype == REC_TOKEN))
                     counts['duplicates' if same else 'conflicts'] += 1
                 else:
                     req.tokens.append(token)
@@ -270,41 +338,47 @@ def replay_records(records, report):
                     req.finish = (reward, OUTCOME_CODES[outcome], turns)
             else:
                 counts['malformed'] += 1
-        except (struct.error, ValueError, IndexError):   # a record with a good checksum but bad content
+        except (struct.error, ValueError, IndexError):
+            # a record with a good checksum but bad content
             counts['malformed'] += 1
     return WalState(meta, requests, dict(report, **counts))
 
 
 def recover_log(path):
-    """Read the log at `path` -> WalState (see scan_log and replay_records for the rules)."""
+    """Read the log at `path` -> WalState (the rules: scan_log, replay_records)."""
     records, report = scan_log(Path(path).read_bytes())
     return replay_records(records, report)
 
 
 def counter_seed(seed, request, position):
     """A 63-bit generator seed that depends only on (seed, request, position)."""
-    digest = hashlib.blake2b(struct.pack('<qqq', seed, request, position), digest_size=8).digest()
+    key = struct.pack('<qqq', seed, request, position)
+    digest = hashlib.blake2b(key, digest_size=8).digest()
     return int.from_bytes(digest, 'little') >> 1
 
 
 def gumbel_sample(logits, seeds, temperature=1.0):
-    """Sample one token per row by Gumbel-max with noise drawn from the row's own counter-based seed.
+    """Sample one token per row by Gumbel-max with noise drawn from the row's own
+    counter-based seed.
 
-    logits [R, V]; seeds: R ints (counter_seed) -> tokens [R], log-probs [R] (float32, of the tokens under
-    softmax(logits / temperature)) and margins [R] (best minus second-best noisy score, float64: how far
-    the logits must move before the token changes).
+    logits [R, V]; seeds: R ints (counter_seed) -> tokens [R], log-probs [R] (float32,
+    of the tokens under softmax(logits / temperature)) and margins [R] (best minus
+    second-best noisy score, float64: how far the logits must move before the token
+    changes).
     """
-    if temperature <= 0:
-        raise ValueError(f'temperature must be > 0, got {temperature}')
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f'temperature must be finite and > 0, got {temperature}')
     if len(seeds) != logits.shape[0]:
         raise ValueError(f'got {len(seeds)} seeds for {logits.shape[0]} rows of logits')
     R, V = logits.shape
     if R == 0:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0, dtype=torch.float64)
-    u = torch.stack([torch.rand(V, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
-                     for s in seeds])                                            # [R, V] uniforms
-    scaled = logits.double().cpu() / temperature                                 # [R, V]
-    top = (scaled - torch.log(-torch.log(u))).topk(2, dim=-1)                    # Gumbel-max
+        return (torch.zeros(0, dtype=torch.long), torch.zeros(0),
+                torch.zeros(0, dtype=torch.float64))
+    u = torch.stack([torch.rand(V, generator=torch.Generator().manual_seed(s),
+                                dtype=torch.float64)
+                     for s in seeds])                              # [R, V] uniforms
+    scaled = logits.double().cpu() / temperature                        # [R, V]
+    top = (scaled - torch.log(-torch.log(u))).topk(2, dim=-1)           # Gumbel-max
     tokens = top.indices[:, 0]
     logp = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0].float()
     return tokens, logp, top.values[:, 0] - top.values[:, 1]
@@ -312,18 +386,22 @@ def gumbel_sample(logits, seeds, temperature=1.0):
 
 @torch.no_grad()
 def prefill_ragged(model, seqs, capacity):
-    """Prefill token lists of different lengths in one batched forward -> (cache, lengths [A]).
+    """Prefill token lists of different lengths in one batched forward
+    -> (cache, lengths [A]).
 
-    Row i of the cache (a chapter-3 KVCache with `capacity` slots) holds the keys and values of seqs[i] at
-    slots 0..len-1, so slot = position. Rows are right-padded: causal attention keeps every real position
-    from seeing the padding, and the padding's slots lie beyond the row's length, where decoding overwrites them.
+    Row i of the cache (a chapter-3 KVCache with `capacity` slots) holds the keys and
+    values of seqs[i] at slots 0..len-1, so slot = position. Rows are right-padded:
+    causal attention keeps every real position from seeing the padding, and the
+    padding's slots lie beyond the row's length, where decoding overwrites them.
     """
     if not seqs or min(len(s) for s in seqs) < 1:
         raise ValueError('seqs must be a non-empty list of non-empty token lists')
-    if max(len(s) for s in seqs) >= capacity:
-        raise ValueError(f'a sequence of {max(len(s) for s in seqs)} tokens leaves no slot in capacity={capacity}')
+    longest = max(len(s) for s in seqs)
+    if longest >= capacity:
+        raise ValueError(f'a sequence of {longest} tokens leaves no slot in '
+                         f'capacity={capacity}')
     device = model.head.weight.device
-    ids = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)   # [A, L]
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long)              # [A, L]
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s)
     cache = model.new_cache(len(seqs), capacity)
@@ -335,75 +413,122 @@ def prefill_ragged(model, seqs, capacity):
 def decode_step_ragged(model, cache, lengths, tokens):
     """One decoding step in which every row sits at its own position -> logits [A, V].
 
-    tokens [A] are the newest tokens, at positions lengths [A]; their keys/values go to slot lengths[i] of
-    row i and each row attends to its slots 0..lengths[i]. lengths is advanced in place. The arithmetic is
-    TinyAgent.forward's (same modules, same order), one position per row.
+    tokens [A] are the newest tokens, at positions lengths [A]; their keys/values go to
+    slot lengths[i] of row i and each row attends to its slots 0..lengths[i]. lengths is
+    advanced in place. The arithmetic is TinyAgent.forward's (same modules, same order),
+    one position per row.
     """
     A, capacity = tokens.shape[0], cache.k[0].shape[2]
     if int(lengths.max()) >= capacity:
-        raise ValueError(f'position {int(lengths.max())} is past the cache capacity {capacity}')
+        raise ValueError(f'position {int(lengths.max())} is past the cache capacity '
+                         f'{capacity}')
     rows = torch.arange(A, device=tokens.device)
     S = int(lengths.max()) + 1
-    allowed = torch.arange(S, device=tokens.device)[None, :] <= lengths[:, None]        # [A, S]
-    h = (model.tok_emb(tokens) + model.pos_emb(lengths))[:, None]                       # [A, 1, D]
+    # [A, S]: row i sees its slots 0..lengths[i]
+    allowed = torch.arange(S, device=tokens.device)[None, :] <= lengths[:, None]
+    h = (model.tok_emb(tokens) + model.pos_emb(lengths))[:, None]        # [A, 1, D]
     for i, block in enumerate(model.blocks.layers):
         attn = block.self_attn
         qkv = attn.qkv(block.norm1(h)).view(A, 1, 3, attn.num_heads, attn.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)                                            # 3 x [A, H, 1, hd]
-        cache.k[i][rows, :, lengths] = k[:, :, 0]                                       # slot = position
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)                    # 3 x [A, H, 1, hd]
+        cache.k[i][rows, :, lengths] = k[:, :, 0]               # slot = position
         cache.v[i][rows, :, lengths] = v[:, :, 0]
-        out = F.scaled_dot_product_attention(q, cache.k[i][:, :, :S], cache.v[i][:, :, :S],
-                                             attn_mask=allowed[:, None, None, :])      # [A, H, 1, hd]
+        out = F.scaled_dot_product_attention(
+            q, cache.k[i][:, :, :S], cache.v[i][:, :, :S],
+            attn_mask=allowed[:, None, None, :])                # [A, H, 1, hd]
         h = h + attn.proj(out.transpose(1, 2).reshape(A, 1, -1))
         h = h + block.mlp(block.norm2(h))
     lengths += 1
-    return model.head(model.norm(h))[:, 0]                                              # [A, V]
+    return model.head(model.norm(h))[:, 0]                      # [A, V]
 
 
-def save_kv_snapshot(path, cache, lengths, requests, log_offset):
-    """Save the KV cache rows of the unfinished `requests` (safetensors), atomically: temp file, fsync, rename.
+class SnapshotMismatch(ValueError):
+    """A KV snapshot that is damaged or unreadable: it must not be used."""
 
-    log_offset ties the snapshot to the log: it is valid only while the log ends exactly there.
+
+def _snapshot_digest(tensors, claims):
+    """crc32c over what a snapshot claims (JSON text) and over every tensor: its name,
+    dtype, shape and bytes, in name order."""
+    crc = crc32c(claims.encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        crc = crc32c(f'|{name}|{t.dtype}|{tuple(t.shape)}|'.encode(), crc)
+        crc = crc32c(t.reshape(-1).view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def save_kv_snapshot(path, cache, lengths, requests, log_offset, job=None):
+    """Save the KV cache rows of the unfinished `requests` (safetensors), atomically:
+    temp file, fsync, rename, fsync of the directory.
+
+    The snapshot claims to match the log up to log_offset (it is valid only while the
+    log ends exactly there) and the job `job` (a dict, e.g. job_fields(spec)); a crc32c
+    over these claims and over every tensor is stored with it; load_kv_snapshot checks
+    it.
     """
     from safetensors.torch import save_file
     used = int(lengths.max())
     tensors = {f'{name}{i}': t[:, :, :used].contiguous().cpu()
-               for name, ts in (('k', cache.k), ('v', cache.v)) for i, t in enumerate(ts)}
-    tensors.update(lengths=lengths.cpu().clone(), requests=torch.tensor(requests, dtype=torch.long))
+               for name, ts in (('k', cache.k), ('v', cache.v))
+               for i, t in enumerate(ts)}
+    tensors.update(lengths=lengths.cpu().clone(),
+                   requests=torch.tensor(requests, dtype=torch.long))
+    claims = json.dumps(dict(log_offset=int(log_offset), job=job), sort_keys=True)
+    metadata = dict(claims=claims, crc32c=str(_snapshot_digest(tensors, claims)))
     path = Path(path)
     tmp = path.with_name(path.name + '.tmp')
-    save_file(tensors, str(tmp), metadata={'log_offset': str(log_offset)})
+    save_file(tensors, str(tmp), metadata=metadata)
     fd = os.open(tmp, os.O_RDONLY)
     _sync(fd)
     os.close(fd)
-    os.replace(tmp, path)            # a crash leaves either the old state or the whole new snapshot
+    os.replace(tmp, path)     # a crash leaves the old state or the whole new snapshot
+    sync_dir(path.parent)     # ... and after a power loss too
 
 
 def load_kv_snapshot(path, model, capacity):
-    """Read a snapshot -> (cache with `capacity` slots, lengths [A], request ids, log_offset)."""
+    """Read and verify a snapshot -> (cache with `capacity` slots, lengths [A], request
+    ids, claims: dict(log_offset, job)). Raises SnapshotMismatch if the file cannot be
+    read, its checksum fails, or its shapes do not fit the model."""
     from safetensors import safe_open
-    with safe_open(str(path), framework='pt') as f:
-        log_offset = int(f.metadata()['log_offset'])
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    try:
+        with safe_open(str(path), framework='pt') as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        claims, crc = metadata['claims'], int(metadata['crc32c'])
+    except Exception as e:                       # truncated, garbled header, ...
+        raise SnapshotMismatch(f'unreadable: {type(e).__name__}: {e}') from e
+    if _snapshot_digest(tensors, claims) != crc:
+        raise SnapshotMismatch('checksum mismatch')
     device = model.head.weight.device
-    lengths, requests = tensors['lengths'].to(device), tensors['requests'].tolist()
-    cache = model.new_cache(len(requests), capacity)
-    for i in range(len(cache.k)):
-        used = tensors[f'k{i}'].shape[2]
-        cache.k[i][:, :, :used] = tensors[f'k{i}']
-        cache.v[i][:, :, :used] = tensors[f'v{i}']
-    return cache, lengths, requests, log_offset
+    try:
+        lengths, requests = tensors['lengths'].to(device), tensors['requests'].tolist()
+        cache = model.new_cache(len(requests), capacity)
+        for i in range(len(cache.k)):
+            used = tensors[f'k{i}'].shape[2]
+            cache.k[i][:, :, :used] = tensors[f'k{i}']
+            cache.v[i][:, :, :used] = tensors[f'v{i}']
+    except (KeyError, RuntimeError) as e:        # another model's cache
+        raise SnapshotMismatch(f'does not fit the model: {e}') from e
+    return cache, lengths, requests, json.loads(claims)
 
 
-EXIT_PREEMPTED = 75      # EX_TEMPFAIL, "try again later": the scheduler restarts the job
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL, "try again later": the scheduler restarts the job
+
+
+ROLLOUT_MODELS = ('rl_base', 'random')
+
+
+ROLLOUT_DTYPES = ('float64', 'float32')
 
 
 @dataclass
 class RolloutSpec(arl.EnvConfig):
-    """A rollout job: group_size samples of each of the first n_tasks tasks of `split`, decoded by `model`
-    ('rl_base', or 'random': a fresh seeded TinyAgent for fast tests) computing in `dtype`, logged under
-    `policy` ('token' | 'step' | 'os', or 'none': no log, to measure what the log costs). step_sleep_s makes
-    each decoding step slower, as a bigger model would be, so that a demo can interrupt it mid-way."""
+    """A rollout job: group_size samples of each of the first n_tasks tasks of
+    `split`, decoded by `model` ('rl_base', or 'random': a fresh seeded TinyAgent for
+    fast tests) computing in `dtype`, logged under `policy` ('token' | 'step' | 'os', or
+    'none': no log, to measure what the log costs). step_sleep_s makes each decoding
+    step slower, as a bigger model would be, so that a demo can interrupt it mid-way.
+    Every field is checked when the spec is made (check_rollout_spec)."""
     seed: int = 0
     split: str = 'heldout'
     n_tasks: int = 8
@@ -414,30 +539,74 @@ class RolloutSpec(arl.EnvConfig):
     policy: str = 'step'
     step_sleep_s: float = 0.0
 
+    def __post_init__(self):
+        check_rollout_spec(self)
+
+
+def check_rollout_spec(spec):
+    """Raise TypeError / ValueError, naming the field, for any field of a RolloutSpec
+    out of range (the number of tasks a split has is checked by run_rollout)."""
+    def integer(name, low, high=None):
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f'{name} must be an int, got {value!r}')
+        if value < low or (high is not None and value > high):
+            bound = f'>= {low}' if high is None else f'in {low}..{high}'
+            raise ValueError(f'{name} must be {bound}, got {value}')
+
+    def real(name, positive):
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f'{name} must be a number, got {value!r}')
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            bound = '> 0' if positive else '>= 0'
+            raise ValueError(f'{name} must be finite and {bound}, got {value}')
+
+    def choice(name, options):
+        value = getattr(spec, name)
+        if value not in options:
+            raise ValueError(f'{name} must be one of {options}, got {value!r}')
+
+    integer('seed', 0, 2 ** 63 - 1)
+    integer('n_tasks', 1)
+    integer('group_size', 1)
+    integer('max_turns', 0)
+    integer('max_tokens', 1)
+    real('temperature', positive=True)
+    real('step_sleep_s', positive=False)
+    choice('split', ('train', 'heldout', 'all'))
+    choice('model', ROLLOUT_MODELS)
+    choice('dtype', ROLLOUT_DTYPES)
+    choice('policy', DURABILITY_POLICIES + ('none',))
+
 
 SPEC_RUNTIME_FIELDS = ('policy', 'step_sleep_s')
 
 
 def job_fields(spec):
-    """The fields of a RolloutSpec that decide the tokens (all but SPEC_RUNTIME_FIELDS, which a restart may change)."""
+    """The fields of a RolloutSpec that decide the tokens (all but SPEC_RUNTIME_FIELDS,
+    which a restart may change)."""
     return {k: v for k, v in asdict(spec).items() if k not in SPEC_RUNTIME_FIELDS}
 
 
 class _Request:
-    """One episode under decoding: environment, tokens so far, forced tokens still to come."""
+    """One episode under decoding: environment, tokens so far, forced tokens to come."""
     def __init__(self, rid, task_index, task, env, tok):
         self.rid, self.task_index, self.task, self.env = rid, task_index, task, env
-        self.pending = deque(tok.encode(env.reset(task)))    # tokens to force: the prompt, then observations
+        # tokens to force: the prompt, then each tool observation
+        self.pending = deque(tok.encode(env.reset(task)))
         self.ids, self.sampled, self.logp = [], [], []
         self.action, self.reward = '', 0.0
 
     def advance(self, token, sampled, logp, tok, max_tokens, stop_ids):
-        """Append one token (a forced one must be the next pending token); the environment acts when the
-        agent hands over its turn, exactly as in chapter 4's sample_groups."""
+        """Append one token (a forced one must be the next pending token); the
+        environment acts when the agent hands over its turn, exactly as in chapter 4's
+        sample_groups."""
         if not sampled:
             expected = self.pending.popleft() if self.pending else None
             if token != expected:
-                raise ValueError(f'request {self.rid}: forced token {token} where the environment gives {expected}')
+                raise ValueError(f'request {self.rid}: forced token {token} where the '
+                                 f'environment gives {expected}')
         self.ids.append(token)
         self.sampled.append(bool(sampled))
         self.logp.append(float(logp))
@@ -448,7 +617,7 @@ class _Request:
                 self.action = ''
                 self.pending.extend(tok.encode(observation))
         elif not self.pending and not self.env.done and len(self.ids) >= max_tokens:
-            self.env.step(self.action)                        # the limit was reached on a forced token
+            self.env.step(self.action)      # the limit was reached on a forced token
 
 
 def build_rollout_model(spec, tok):
@@ -457,16 +626,19 @@ def build_rollout_model(spec, tok):
         model = arl.make_rl_base(tok, verbose=False)
     elif spec.model == 'random':
         torch.manual_seed(spec.seed)
-        model = arl.TinyAgent(len(tok), d_model=32, n_layers=2, n_heads=2, max_len=spec.max_tokens)
+        model = arl.TinyAgent(len(tok), d_model=32, n_layers=2, n_heads=2,
+                              max_len=spec.max_tokens)
     else:
-        raise ValueError(f"model must be 'rl_base' or 'random', got {spec.model!r}")
+        raise ValueError(f'model must be one of {ROLLOUT_MODELS}, got {spec.model!r}')
     if spec.max_tokens > model.max_len:
-        raise ValueError(f'max_tokens={spec.max_tokens} exceeds the model max_len={model.max_len}')
+        raise ValueError(f'max_tokens={spec.max_tokens} exceeds the model '
+                         f'max_len={model.max_len}')
     return model.to(getattr(torch, spec.dtype)).eval()
 
 
 def _append_line(path, text):
-    """Append one line with a single write() (O_APPEND): it survives the death of this process."""
+    """Append one line with a single write() (O_APPEND): it survives the death of this
+    process (unless it dies inside the write: read_runs skips a torn last line)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, (text + '\n').encode())
@@ -474,17 +646,42 @@ def _append_line(path, text):
         os.close(fd)
 
 
-def run_rollout(workdir, spec=None):
-    """Decode a rollout job in `workdir` to the end, or until SIGTERM; returns a summary dict.
+def read_runs(workdir):
+    """The lines of workdir/runs.jsonl as dicts, skipping a torn or garbled line."""
+    path = Path(workdir) / 'runs.jsonl'
+    runs = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            runs.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return runs
 
-    Files in workdir: rollout.wal (the log; its first record holds the spec, which a restart may omit or
-    must match, see job_fields), kv.safetensors (the KV snapshot a preemption leaves), acks.txt (after each
-    commit: time, run, and request:length for every request whose tokens up to that length are committed),
-    runs.jsonl (a line when a run starts and when it ends). SIGTERM means preemption: finish the current step, commit the log,
-    save the KV cache of the unfinished requests and return status 'preempted'.
+
+def _cut_torn_line(path):
+    """Cut a last line with no newline (the process died writing it) -> bytes cut."""
+    data = path.read_bytes() if path.exists() else b''
+    keep = data.rfind(b'\n') + 1
+    if keep < len(data):
+        os.truncate(path, keep)
+    return len(data) - keep
+
+
+def run_rollout(workdir, spec=None):
+    """Decode a rollout job in `workdir` to the end, or until SIGTERM -> a summary.
+
+    Files in workdir: rollout.wal (the log; its first record holds the spec, which a
+    restart may omit or must match, see job_fields), kv.safetensors (the KV snapshot a
+    preemption leaves), acks.txt (after each commit: time, run, and request:length for
+    every request whose tokens up to that length are committed), runs.jsonl (a line
+    when a run starts and when it ends; read_runs). SIGTERM means preemption: finish the
+    current step, commit the log, save the KV cache of the unfinished requests and
+    return status 'preempted'. The spec, the log's spec and the folder are all checked
+    before anything in the folder is written.
     """
     stop = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(time.time()))
+    previous = signal.signal(signal.SIGTERM,
+                             lambda signum, frame: stop.append(time.time()))
     try:
         return _run_rollout(Path(workdir), spec, stop)
     finally:
@@ -493,84 +690,135 @@ def run_rollout(workdir, spec=None):
 
 def _run_rollout(workdir, spec, stop):
     t_start = time.time()
-    workdir.mkdir(parents=True, exist_ok=True)
-    log_path, snap_path, runs_path = workdir / 'rollout.wal', workdir / 'kv.safetensors', workdir / 'runs.jsonl'
-    state = recover_log(log_path) if log_path.exists() else replay_records(*scan_log(b''))
-    if state.meta is not None:                            # the log's spec decides every token
-        logged = RolloutSpec(**state.meta)
+    log_path, snap_path = workdir / 'rollout.wal', workdir / 'kv.safetensors'
+    runs_path, tmp_path = workdir / 'runs.jsonl', workdir / 'kv.safetensors.tmp'
+
+    # 1. Everything that can refuse the job, before anything is written.
+    if spec is not None and not isinstance(spec, RolloutSpec):
+        raise TypeError(f'spec must be a RolloutSpec or None, got '
+                        f'{type(spec).__name__}')
+    if log_path.exists():
+        state = recover_log(log_path)
+    else:
+        state = replay_records(*scan_log(b''))
+    if state.meta is not None:                  # the log's spec decides every token
+        try:
+            logged = RolloutSpec(**state.meta)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f'{log_path} holds an invalid spec: {e}') from e
         if spec is None:
             spec = logged
         elif job_fields(spec) != job_fields(logged):
-            raise ValueError(f'spec {job_fields(spec)} differs from the one in {log_path}: {job_fields(logged)}')
+            raise ValueError(f'spec {job_fields(spec)} differs from the one in '
+                             f'{log_path}: {job_fields(logged)}')
     elif spec is None:
-        raise ValueError(f'{log_path} holds no spec (the first run died before writing one): pass spec=')
-    if spec.policy not in DURABILITY_POLICIES + ('none',):
-        raise ValueError(f"policy must be one of {DURABILITY_POLICIES + ('none',)}, got {spec.policy!r}")
-    logging = spec.policy != 'none'
-    run = sum('mode' in json.loads(line) for line in runs_path.read_text().splitlines()) if runs_path.exists() else 0
-    writer = None
-    if logging:
-        if log_path.exists() and log_path.stat().st_size > state.report['valid_end']:
-            os.truncate(log_path, state.report['valid_end'])     # cut what the reader could not use
-        writer = WalWriter(log_path, spec.policy)
-        if state.meta is None:
-            writer.append(REC_META, json.dumps(asdict(spec)).encode())
-    log = writer.append if logging else (lambda rtype, payload: None)
-
+        raise ValueError(f'{log_path} holds no spec (no run of this job got as far as '
+                         'writing one): pass spec=')
     tasks, tok = arl.make_tasks(spec.split), arl.build_tokenizer(arl.make_tasks('all'))
-    if not 1 <= spec.n_tasks <= len(tasks):
-        raise ValueError(f'n_tasks must be in 1..{len(tasks)} for split {spec.split!r}, got {spec.n_tasks}')
-    model = build_rollout_model(spec, tok)
+    if spec.n_tasks > len(tasks):
+        raise ValueError(f'n_tasks must be in 1..{len(tasks)} for split '
+                         f'{spec.split!r}, got {spec.n_tasks}')
+    n_requests = spec.n_tasks * spec.group_size
+    logging = spec.policy != 'none'
+    unfinished = [rid for rid in range(n_requests)
+                  if rid not in state.requests or state.requests[rid].finish is None]
+    if not logging and state.meta is not None and unfinished:
+        raise ValueError(f"policy 'none' keeps no log, so it cannot continue the "
+                         f'logged job in {workdir} ({len(unfinished)} requests '
+                         f'unfinished): use one of {DURABILITY_POLICIES}')
+    model = build_rollout_model(spec, tok)      # checks max_tokens against the model
     device = model.head.weight.device
     stop_ids = {tok.stoi[s] for s in arl.STOP_TOKENS}
     step_args = (tok, spec.max_tokens, stop_ids)
+    durable = spec.policy in ('token', 'step')
 
-    def force_pending(req):                               # forced tokens need no model: log them at once
+    # 2. Repair the folder: what a crash can leave half-written.
+    created = not workdir.exists()
+    workdir.mkdir(parents=True, exist_ok=True)
+    dir_syncs = 0
+    if created and durable:                          # the folder's own name, too
+        sync_dir(workdir.parent)
+        dir_syncs += 1
+    tmp_removed = tmp_path.exists()                  # a crash while saving a snapshot
+    if tmp_removed:
+        tmp_path.unlink()
+    runs_cut = _cut_torn_line(runs_path)             # a crash while writing runs.jsonl
+    _cut_torn_line(workdir / 'acks.txt')             # ... or acks.txt
+    run = sum('mode' in r for r in read_runs(workdir))
+    writer = None
+    if logging:
+        if log_path.exists() and log_path.stat().st_size > state.report['valid_end']:
+            # a torn tail: scan_log found no valid record in it
+            os.truncate(log_path, state.report['valid_end'])
+        writer = WalWriter(log_path, spec.policy)
+        dir_syncs += writer.dir_syncs
+        if state.meta is None:
+            writer.append(REC_META, json.dumps(asdict(spec)).encode())
+
+    log = writer.append if logging else (lambda rtype, payload: None)
+
+    def force_pending(req):             # forced tokens need no model: log them at once
         while req.pending and not req.env.done:
             log(REC_FORCED, FORCED_PAYLOAD.pack(req.rid, len(req.ids), req.pending[0]))
             req.advance(req.pending[0], False, 0.0, *step_args)
 
     def finish(req):
-        log(REC_FINISH, FINISH_PAYLOAD.pack(req.rid, len(req.ids), req.reward, OUTCOME_CODES.index(req.env.outcome),
+        outcome = OUTCOME_CODES.index(req.env.outcome)
+        log(REC_FINISH, FINISH_PAYLOAD.pack(req.rid, len(req.ids), req.reward, outcome,
                                             req.env.turns))
 
+    # 3. Replay the log; start the requests it has never seen.
     active, restored = [], 0
-    for rid in range(spec.n_tasks * spec.group_size):
+    for rid in range(n_requests):
         task_index = rid // spec.group_size
         req = _Request(rid, task_index, tasks[task_index], arl.make_env(spec), tok)
         logged = state.requests.get(rid)
         if logged is None:
             log(REC_START, START_PAYLOAD.pack(rid, task_index))
-        else:                                             # replay the log through the same bookkeeping
+        else:                         # replay the log through the same bookkeeping
             for token, sampled, logp in zip(logged.tokens, logged.sampled, logged.logp):
                 req.advance(token, sampled, logp, *step_args)
             restored += len(logged.tokens)
             if logged.finish is not None:
                 continue
-        if not req.ids:
-            force_pending(req)                            # a new request starts by logging its prompt
+        if not any(req.sampled):
+            # a new request starts by logging its prompt; one a crash cut short in the
+            # middle of its prompt (even after <bos> alone) logs the rest of it
+            force_pending(req)
         if req.env.done:
-            finish(req)                                   # it ended, but its finish record was lost
+            finish(req)                      # it ended, but its finish record was lost
         else:
             active.append(req)
 
-    t_kv, mode, cache, lengths = time.perf_counter(), ('fresh' if state.meta is None else 'reprefill'), None, None
-    if active and snap_path.exists():
-        try:
-            cache, lengths, order, offset = load_kv_snapshot(snap_path, model, spec.max_tokens)
-            by_id = {r.rid: r for r in active}
-            ok = (offset == state.report['valid_end'] and sorted(order) == sorted(by_id)
-                  and all(int(n) == len(by_id[rid].ids) - 1 for rid, n in zip(order, lengths.tolist())))
-        except Exception:                                 # a damaged snapshot is as good as none
-            ok = False
-        if ok:
-            active, mode = [by_id[rid] for rid in order], 'snapshot'
-        else:
-            cache = None
+    # 4. The KV cache of the unfinished requests: from the snapshot if it checks out.
+    t_kv, cache, lengths, snapshot = time.perf_counter(), None, None, None
+    mode = 'fresh' if state.meta is None else 'reprefill'
     if snap_path.exists():
-        snap_path.unlink()                                # used or stale: never load it twice
+        snapshot = 'not needed: nothing left to decode'
+        if active:
+            try:
+                cache, lengths, order, claims = load_kv_snapshot(snap_path, model,
+                                                                 spec.max_tokens)
+                by_id = {r.rid: r for r in active}
+                if claims['job'] != job_fields(spec):
+                    snapshot = 'another job'
+                elif claims['log_offset'] != state.report['valid_end']:
+                    snapshot = 'stale: the log does not end where it was taken'
+                elif sorted(order) != sorted(by_id) or any(
+                        int(n) != len(by_id[rid].ids) - 1
+                        for rid, n in zip(order, lengths.tolist())):
+                    snapshot = 'stale: the unfinished requests differ'
+                else:
+                    snapshot, mode = 'loaded', 'snapshot'
+                    active = [by_id[rid] for rid in order]
+            except SnapshotMismatch as e:        # damaged: as good as none
+                snapshot = str(e)
+            if mode != 'snapshot':
+                cache = None
+        snap_path.unlink()                       # used or not: never load it twice
     if active and cache is None:
-        cache, lengths = prefill_ragged(model, [r.ids[:-1] for r in active], spec.max_tokens)
+        cache, lengths = prefill_ragged(model, [r.ids[:-1] for r in active],
+                                        spec.max_tokens)
     kv_s = time.perf_counter() - t_kv
 
     def commit_and_ack(reqs):
@@ -581,22 +829,30 @@ def _run_rollout(workdir, spec, stop):
 
     commit_and_ack(active)
     _append_line(runs_path, json.dumps(dict(
-        run=run, pid=os.getpid(), mode=mode, t_start=t_start, t_ready=time.time(), restored_tokens=restored,
-        unfinished=len(active), kv_s=kv_s, corruptions=len(state.report['corruptions']),
-        torn_tail_bytes=state.report['torn_tail_bytes'], orphans=state.report['orphans'])))
+        run=run, pid=os.getpid(), mode=mode, t_start=t_start, t_ready=time.time(),
+        restored_tokens=restored, unfinished=len(active), kv_s=kv_s, snapshot=snapshot,
+        snapshot_tmp_removed=tmp_removed, runs_torn_bytes=runs_cut,
+        corruptions=len(state.report['corruptions']),
+        torn_tail_bytes=state.report['torn_tail_bytes'],
+        orphans=state.report['orphans'])))
 
-    status, decoded, min_margin, t_loop = 'finished', 0, float('inf'), time.perf_counter()
+    # 5. Decode.
+    status, decoded, steps = 'finished', 0, 0
+    min_margin, t_loop = float('inf'), time.perf_counter()
     while active:
-        if stop:                                          # preempted: commit, save the KV cache, leave
+        if stop:                        # preempted: commit, save the KV cache, leave
             status = 'preempted'
             if logging:
                 writer.commit()
-                save_kv_snapshot(snap_path, cache, lengths, [r.rid for r in active], writer.durable)
+                save_kv_snapshot(snap_path, cache, lengths, [r.rid for r in active],
+                                 writer.durable, job_fields(spec))
+                dir_syncs += 1
             break
-        newest = torch.tensor([r.ids[-1] for r in active], device=device)               # [A]
-        logits = decode_step_ragged(model, cache, lengths, newest)                      # [A, V]
+        newest = torch.tensor([r.ids[-1] for r in active], device=device)       # [A]
+        logits = decode_step_ragged(model, cache, lengths, newest)              # [A, V]
         rows = [i for i, r in enumerate(active) if not r.pending]
-        seeds = [counter_seed(spec.seed, active[i].rid, len(active[i].ids)) for i in rows]
+        seeds = [counter_seed(spec.seed, active[i].rid, len(active[i].ids))
+                 for i in rows]
         tokens, logps, margins = gumbel_sample(logits[rows], seeds, spec.temperature)
         drawn = dict(zip(rows, zip(tokens.tolist(), logps.tolist())))
         for i, req in enumerate(active):
@@ -605,11 +861,13 @@ def _run_rollout(workdir, spec, stop):
                 log(REC_TOKEN, TOKEN_PAYLOAD.pack(req.rid, len(req.ids), token, logp))
                 req.advance(token, True, logp, *step_args)
             else:
-                log(REC_FORCED, FORCED_PAYLOAD.pack(req.rid, len(req.ids), req.pending[0]))
+                log(REC_FORCED, FORCED_PAYLOAD.pack(req.rid, len(req.ids),
+                                                    req.pending[0]))
                 req.advance(req.pending[0], False, 0.0, *step_args)
             if req.env.done:
                 finish(req)
         decoded += len(active)
+        steps += 1
         if len(margins):
             min_margin = min(min_margin, float(margins.min()))
         commit_and_ack(active)
@@ -624,17 +882,23 @@ def _run_rollout(workdir, spec, stop):
     decode_s = time.perf_counter() - t_loop
     if logging:
         writer.close()
-    summary = dict(run=run, status=status, mode=mode, restored_tokens=restored, decoded_tokens=decoded,
-                   decode_s=decode_s, kv_s=kv_s, syncs=writer.syncs if logging else 0, min_margin=min_margin,
-                   report=state.report)
-    _append_line(runs_path, json.dumps(dict(run=run, status=status, t_end=time.time(), decoded_tokens=decoded,
-                                            min_margin=min_margin)))
+    summary = dict(run=run, status=status, mode=mode, restored_tokens=restored,
+                   decoded_tokens=decoded, steps=steps, decode_s=decode_s, kv_s=kv_s,
+                   syncs=writer.syncs if logging else 0, dir_syncs=dir_syncs,
+                   snapshot=snapshot, min_margin=min_margin, report=state.report)
+    _append_line(runs_path, json.dumps(dict(
+        run=run, status=status, t_end=time.time(), decoded_tokens=decoded,
+        min_margin=min_margin)))
     return summary
 
 
 def read_trajectories(workdir):
-    """The finished rollout in workdir -> list of chapter 4's Trajectory, in request order."""
-    state = recover_log(Path(workdir) / 'rollout.wal')
+    """The finished rollout in workdir -> list of chapter 4's Trajectory, in request
+    order. Raises ValueError if the log is missing or holds an unfinished request."""
+    path = Path(workdir) / 'rollout.wal'
+    if not path.exists():
+        raise ValueError(f"{workdir} holds no log (policy 'none' keeps none)")
+    state = recover_log(path)
     if state.meta is None:
         raise ValueError(f'{workdir}: the log holds no spec')
     spec = RolloutSpec(**state.meta)
@@ -643,55 +907,86 @@ def read_trajectories(workdir):
     for rid in range(spec.n_tasks * spec.group_size):
         req = state.requests.get(rid)
         if req is None or req.finish is None:
-            raise ValueError(f'{workdir}: request {rid} has not finished; run the rollout to the end first')
+            raise ValueError(f'{workdir}: request {rid} has not finished; run the '
+                             'rollout to the end first')
         reward, outcome, turns = req.finish
         task = tasks[req.task]
-        info = dict(task=task.name, family=task.family, group=req.task, outcome=outcome, turns=turns, request=rid)
-        trajs.append(arl.Trajectory(ids=torch.tensor(req.tokens), action_mask=torch.tensor(req.sampled[1:]).float(),
-                                    sample_logp=torch.tensor(req.logp[1:]), reward=reward, info=info))
+        info = dict(task=task.name, family=task.family, group=req.task, outcome=outcome,
+                    turns=turns, request=rid)
+        trajs.append(arl.Trajectory(
+            ids=torch.tensor(req.tokens),
+            action_mask=torch.tensor(req.sampled[1:]).float(),
+            sample_logp=torch.tensor(req.logp[1:]), reward=reward, info=info))
     return trajs
 
 
 def _rollout_child(workdir, spec):
-    torch.set_num_threads(1)     # a worker process of its own; for a tiny model, threads only add overhead
+    # a worker process of its own; for a tiny model, threads only add overhead
+    torch.set_num_threads(1)
     result = run_rollout(workdir, None if spec is None else RolloutSpec(**spec))
     sys.exit(0 if result['status'] == 'finished' else EXIT_PREEMPTED)
 
 
 def launch_rollout(workdir, spec=None):
-    """Start run_rollout(workdir, spec) in a child process -> multiprocessing.Process (.pid, .join, .exitcode).
+    """Start run_rollout(workdir, spec) in a child process -> multiprocessing.Process
+    (.pid, .join, .exitcode).
 
-    The child comes from a fork server that imported agentrl (and torch) once, so starting one costs
-    milliseconds instead of the seconds a fresh interpreter needs; it is a real process that a signal can stop.
+    The child comes from a fork server that imported agentrl (and torch) once, so
+    starting one costs milliseconds instead of the seconds a fresh interpreter needs; it
+    is a real process that a signal can stop.
     """
+    if spec is not None and not isinstance(spec, RolloutSpec):
+        raise TypeError(f'spec must be a RolloutSpec or None, got '
+                        f'{type(spec).__name__}')
     ctx = multiprocessing.get_context('forkserver')
     ctx.set_forkserver_preload(['agentrl'])
-    proc = ctx.Process(target=_rollout_child, args=(str(workdir), None if spec is None else asdict(spec)))
+    args = (str(workdir), None if spec is None else asdict(spec))
+    proc = ctx.Process(target=_rollout_child, args=args)
     proc.start()
     return proc
 
 
+PREEMPT_OUTCOMES = {EXIT_PREEMPTED: 'graceful', 0: 'finished',
+                    -signal.SIGTERM: 'terminated'}
+
+
 def preempt_rollout(proc, grace_s=5.0):
-    """Preempt like a cluster scheduler: SIGTERM, wait up to grace_s, then SIGKILL -> 'graceful' or 'killed'."""
-    os.kill(proc.pid, signal.SIGTERM)
+    """Preempt like a cluster scheduler: SIGTERM, wait up to grace_s, then SIGKILL.
+
+    Returns how the process ended, from its exit code: 'graceful' (it committed, saved
+    its KV cache and exited with EXIT_PREEMPTED), 'finished' (exit 0: done before it
+    noticed), 'terminated' (SIGTERM itself ended it, e.g. before its handler was
+    installed: only the log is left), 'killed' (still running after grace_s: SIGKILL)
+    or 'failed' (any other exit code).
+    """
+    if proc.exitcode is None:               # (an ended child's pid may be reused)
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:          # it ended just now
+            pass
     proc.join(grace_s)
     if proc.exitcode is None:
         os.kill(proc.pid, signal.SIGKILL)
         proc.join()
         return 'killed'
-    return 'graceful'
+    return PREEMPT_OUTCOMES.get(proc.exitcode, 'failed')
 
 
 def rollout_main(argv=None):
-    """Command line: python -c "import agentrl as arl; arl.rollout_main()" WORKDIR [--spec JSON]."""
+    """Command line: python -c "import agentrl as arl; arl.rollout_main()" WORKDIR
+    [--spec JSON]."""
     import argparse
-    parser = argparse.ArgumentParser(description='Run (or resume) a preemptible rollout in WORKDIR.')
+    parser = argparse.ArgumentParser(
+        description='Run (or resume) a preemptible rollout in WORKDIR.')
     parser.add_argument('workdir')
-    parser.add_argument('--spec', help='RolloutSpec fields as JSON, for a new rollout (a restart reads the log)')
+    parser.add_argument('--spec', help='RolloutSpec fields as JSON, for a new rollout '
+                        '(a restart reads the log)')
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
-    result = run_rollout(args.workdir, RolloutSpec(**json.loads(args.spec)) if args.spec else None)
-    print(json.dumps({k: result[k] for k in ('status', 'mode', 'restored_tokens', 'decoded_tokens')}), flush=True)
+    spec = RolloutSpec(**json.loads(args.spec)) if args.spec else None
+    result = run_rollout(args.workdir, spec)
+    keys = ('status', 'mode', 'restored_tokens', 'decoded_tokens', 'snapshot')
+    print(json.dumps({k: result[k] for k in keys}), flush=True)
     sys.exit(0 if result['status'] == 'finished' else EXIT_PREEMPTED)
 
 
@@ -714,6 +1009,7 @@ __all__ = [
     'OUTCOME_CODES',
     'encode_record',
     'DURABILITY_POLICIES',
+    'sync_dir',
     'WalWriter',
     'scan_log',
     'RequestLog',
@@ -724,16 +1020,22 @@ __all__ = [
     'gumbel_sample',
     'prefill_ragged',
     'decode_step_ragged',
+    'SnapshotMismatch',
     'save_kv_snapshot',
     'load_kv_snapshot',
     'EXIT_PREEMPTED',
+    'ROLLOUT_MODELS',
+    'ROLLOUT_DTYPES',
     'RolloutSpec',
+    'check_rollout_spec',
     'SPEC_RUNTIME_FIELDS',
     'job_fields',
     'build_rollout_model',
+    'read_runs',
     'run_rollout',
     'read_trajectories',
     'launch_rollout',
+    'PREEMPT_OUTCOMES',
     'preempt_rollout',
     'rollout_main',
 ]

@@ -10,80 +10,101 @@ from tqdm.auto import tqdm
 
 @dataclass
 class RLConfig(arl.SamplingConfig):
-    """Everything one RL run needs besides the model and the tasks (defaults measured in chapter 7)."""
+    """Everything one RL run needs besides the model and the tasks.
+
+    The defaults are measured in chapter 7.
+    """
     tasks_per_step: int = 32
     seed: int = 0
     lr: float = 1e-3
-    lr_schedule: str = 'linear'         # 'linear': decay to 0 over the run; 'constant'
-    epochs: int = 2                     # optimiser steps per sampled batch (PPO-style after the first)
-    clip_eps: float = 0.2               # ratio clip for epochs after the first
+    lr_schedule: str = 'linear'   # 'linear': decay to 0 over the run; 'constant'
+    epochs: int = 2               # optimiser steps per batch (PPO after the first)
+    clip_eps: float = 0.2         # ratio clip for epochs after the first
     micro_batch_size: int = 32
     max_grad_norm: float = 1.0
-    scale_rewards: bool = True          # divide advantages by the group std (chapter 6)
+    scale_rewards: bool = True    # divide advantages by the group std (chapter 6)
 
     def __post_init__(self):
         if self.lr_schedule not in ('linear', 'constant'):
-            raise ValueError(f"lr_schedule must be 'linear' or 'constant', got {self.lr_schedule!r}")
+            raise ValueError("lr_schedule must be 'linear' or 'constant', "
+                             f"got {self.lr_schedule!r}")
         if self.epochs < 1 or self.micro_batch_size < 1 or self.group_size < 2:
-            raise ValueError(f'need epochs >= 1, micro_batch_size >= 1 and group_size >= 2, got '
-                             f'{self.epochs}, {self.micro_batch_size}, {self.group_size}')
+            raise ValueError('need epochs >= 1, micro_batch_size >= 1 and group_size '
+                             f'>= 2, got {self.epochs}, {self.micro_batch_size}, '
+                             f'{self.group_size}')
 
 
 def sample_step(model, env_fn, tasks, tok, cfg, generator):
-    """Sample cfg.group_size episodes for each of cfg.tasks_per_step random tasks -> (kept, sampled).
+    """Sample cfg.group_size episodes for each of cfg.tasks_per_step random tasks
+    -> (kept, sampled).
 
-    sampled: every Trajectory, groups consecutive; kept: only the groups whose rewards are not all equal
-    (the others have zero advantage and no gradient).
+    sampled: every Trajectory, groups consecutive; kept: only the groups whose rewards
+    are not all equal (the others have zero advantage and no gradient).
     """
     if not tasks:
         raise ValueError('tasks is empty')
     pick = torch.randperm(len(tasks), generator=generator)[:cfg.tasks_per_step].tolist()
-    sampled = arl.sample_groups(model, env_fn, [tasks[i] for i in pick], tok, cfg, generator)
+    sampled = arl.sample_groups(model, env_fn, [tasks[i] for i in pick], tok, cfg,
+                                generator)
     G = cfg.group_size
-    kept = [t for g in range(0, len(sampled), G) if len({u.reward for u in sampled[g:g + G]}) > 1
+    kept = [t for g in range(0, len(sampled), G)
+            if len({u.reward for u in sampled[g:g + G]}) > 1
             for t in sampled[g:g + G]]
     return kept, sampled
 
 
 def rl_update(model, optimizer, batch, advantages, cfg, ref_model=None, generator=None):
-    """cfg.epochs optimiser steps on one batch (dict from collate; advantages [B]) -> stats dict.
+    """cfg.epochs optimiser steps on one batch (dict from collate; advantages [B])
+    -> stats dict: update_tokens (policy tokens in the batch), loss and grad_norm (of
+    the first step), clip_frac (share of tokens clipped in the last step).
 
-    Micro-batches of cfg.micro_batch_size rows divide their loss by the batch's total number of policy tokens,
-    so the accumulated gradient equals the full-batch token-mean gradient. The first step is REINFORCE; later
-    steps weigh each token by the ratio pi / pi_old, clipped to 1 +- cfg.clip_eps (PPO). Gradients are clipped
-    to cfg.max_grad_norm. ref_model is accepted for the KL penalty of chapter 9 and unused here.
+    Micro-batches of cfg.micro_batch_size rows divide their loss by the batch's total
+    number of policy tokens, so the accumulated gradient equals the full-batch
+    token-mean gradient. The first step is REINFORCE; later steps weigh each token by
+    the ratio pi / pi_old, clipped to 1 +- cfg.clip_eps (PPO). Gradients are clipped to
+    cfg.max_grad_norm. ref_model is accepted for the KL penalty of chapter 9 and unused
+    here.
     """
-    mask_all = batch['action_mask']                                        # [B, T-1]
+    mask_all = batch['action_mask']                          # [B, T-1]
     n_tokens = mask_all.sum()
     if n_tokens == 0:
         raise ValueError('batch has no policy tokens')
-    old_logp = torch.zeros_like(mask_all)                                  # [B, T-1], filled by the first step
-    stats = dict(policy_tokens=int(n_tokens))
+    # [B, T-1], filled by the first step
+    old_logp = torch.zeros_like(mask_all)
+    # named apart from behavior_stats' per-episode 'policy_tokens', so both fit in one dict
+    stats = dict(update_tokens=int(n_tokens))
     for epoch in range(cfg.epochs):
         model.train()
         optimizer.zero_grad()
-        order = torch.randperm(len(mask_all), generator=generator) if generator is not None else torch.arange(len(mask_all))
+        if generator is not None:
+            order = torch.randperm(len(mask_all), generator=generator)
+        else:
+            order = torch.arange(len(mask_all))
         total, clipped = 0.0, 0.0
         for rows in order.split(cfg.micro_batch_size):
-            width = int(batch['length'][rows].max())                       # trim padding
+            width = int(batch['length'][rows].max())         # trim padding
             ids, mask = batch['ids'][rows, :width], mask_all[rows, :width - 1]
-            logp = arl.sequence_log_probs(model, ids)                      # [b, width-1]
+            logp = arl.sequence_log_probs(model, ids)        # [b, width-1]
             if epoch == 0:
                 old_logp[rows, :width - 1] = logp.detach()
-            ratio = torch.exp(logp - old_logp[rows, :width - 1])           # 1 in value at the first step
-            adv = advantages[rows][:, None]                                # [b, 1]
-            objective = torch.min(ratio * adv, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
+            # 1 in value at the first step
+            ratio = torch.exp(logp - old_logp[rows, :width - 1])
+            adv = advantages[rows][:, None]                  # [b, 1]
+            clipped_ratio = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
+            objective = torch.min(ratio * adv, clipped_ratio * adv)
             loss = -(objective * mask).sum() / n_tokens
             loss.backward()
             total += loss.item()
             with torch.no_grad():
-                out = ((ratio > 1 + cfg.clip_eps) & (adv > 0)) | ((ratio < 1 - cfg.clip_eps) & (adv < 0))
+                out = (((ratio > 1 + cfg.clip_eps) & (adv > 0))
+                       | ((ratio < 1 - cfg.clip_eps) & (adv < 0)))
                 clipped += (out * mask).sum().item()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                         cfg.max_grad_norm))
         optimizer.step()
         if epoch == 0:
             stats.update(loss=total, grad_norm=grad_norm)
-        stats['clip_frac'] = clipped / n_tokens.item()                     # of the last step
+        stats['clip_frac'] = clipped / n_tokens.item()       # of the last step
     model.eval()
     return stats
 
@@ -92,32 +113,43 @@ OUTCOMES = ('correct', 'wrong', 'turn_limit', 'token_limit')
 
 
 def behavior_stats(trajs):
-    """What the policy did in `trajs`: mean reward, episode length, policy tokens and tool calls, outcome shares."""
+    """What the policy did in `trajs`: mean reward, episode length, policy tokens, tool
+    calls, and the share of each outcome."""
     n = max(len(trajs), 1)
     stats = dict(reward=sum(t.reward for t in trajs) / n,
                  length=sum(len(t.ids) for t in trajs) / n,
                  policy_tokens=sum(float(t.action_mask.sum()) for t in trajs) / n,
                  tool_calls=sum(t.info.get('turns', 0) for t in trajs) / n)
     for outcome in OUTCOMES:
-        stats[f'share_{outcome}'] = sum(t.info.get('outcome') == outcome for t in trajs) / n
+        hits = sum(t.info.get('outcome') == outcome for t in trajs)
+        stats[f'share_{outcome}'] = hits / n
     return stats
 
 
 def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval_n=8,
              ref_model=None, progress=True):
-    """The RL loop, training `model` in place: sample, drop zero-advantage groups, rl_update -> history.
+    """The RL loop, training `model` in place: sample, drop zero-advantage groups,
+    rl_update -> history.
 
-    history: one dict per step (behaviour of the sampled batch, kept/sampled counts, update stats, lr), plus
-    'heldout' (arl.evaluate on eval_tasks with eval_n episodes each) every eval_every steps and after the last.
-    progress=False hides the progress bar.
+    history: one dict per step (behaviour of the sampled batch, kept/sampled counts,
+    update stats, lr), plus 'heldout' (arl.evaluate on eval_tasks with eval_n episodes
+    each) every eval_every steps and after the last. progress=False hides the progress
+    bar.
     """
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    decay = (lambda s: 1 - s / steps) if cfg.lr_schedule == 'linear' else (lambda s: 1.0)
+    if cfg.lr_schedule == 'linear':
+        decay = lambda s: 1 - s / steps
+    else:
+        decay = lambda s: 1.0
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
     env_fn = lambda: arl.make_env(cfg)
-    evaluate = lambda step: arl.evaluate(model, eval_tasks, tok, eval_n, generator=torch.Generator().manual_seed(step), cfg=cfg)
+
+    def evaluate(step):
+        return arl.evaluate(model, eval_tasks, tok, eval_n,
+                            generator=torch.Generator().manual_seed(step), cfg=cfg)
+
     history = []
     for step in tqdm(range(steps), desc=f'RL seed {cfg.seed}', disable=not progress):
         record = dict(step=step, lr=optimizer.param_groups[0]['lr'])
@@ -127,7 +159,9 @@ def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval
         record.update(behavior_stats(sampled), kept=len(kept), sampled=len(sampled))
         if kept:
             batch = arl.collate(kept, tok.pad_id)
-            record.update(arl.rl_update(model, optimizer, batch, arl.compute_advantages(batch, cfg), cfg, ref_model, gen))
+            advantages = arl.compute_advantages(batch, cfg)
+            record.update(arl.rl_update(model, optimizer, batch, advantages, cfg,
+                                        ref_model, gen))
         schedule.step()
         history.append(record)
     if eval_tasks is not None:

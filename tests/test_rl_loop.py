@@ -70,23 +70,90 @@ def test_rl_update_micro_batches_accumulate_to_the_full_batch_gradient(setup):
         assert torch.allclose(g, _grads(reference), atol=1e-6, rtol=1e-4), mbs
 
 
+class CountingSGD(torch.optim.SGD):
+    """SGD that counts its steps."""
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.steps = 0
+
+    def step(self, closure=None):
+        self.steps += 1
+        return super().step(closure)
+
+
 def test_rl_update_clips_gradient_norm_and_steps(setup):
     tok, model = setup
     batch = _demo_batch(tok)
     adv = torch.linspace(-1, 1, 12) * 100
+    # the gradient that rl_update clips: the full-batch REINFORCE gradient (first epoch)
+    reference = copy.deepcopy(model)
+    reference.zero_grad()
+    arl.reinforce_loss(arl.sequence_log_probs(reference, batch['ids']), adv, batch['action_mask'],
+                       'token_mean').backward()
+    raw = _grads(reference)
+    assert raw.norm() > 1.0                                                   # so clipping to 0.5 acts
     m = copy.deepcopy(model)
-    stats = arl.rl_update(m, torch.optim.SGD(m.parameters(), lr=0.0), batch, adv,
-                          arl.RLConfig(epochs=1, max_grad_norm=0.5))
-    assert stats['grad_norm'] > 0.5                                           # reported before clipping
-    assert abs(_grads(m).norm().item() - 0.5) < 1e-4                          # applied after clipping
-    assert stats['policy_tokens'] == int(batch['action_mask'].sum())
-    m2 = copy.deepcopy(model)
-    stats2 = arl.rl_update(m2, torch.optim.Adam(m2.parameters(), lr=1e-2), batch, adv / 100, arl.RLConfig(epochs=3))
-    assert 0 <= stats2['clip_frac'] <= 1
-    assert any((p - q).abs().max() > 0 for p, q in zip(m2.parameters(), model.parameters()))
+    before = torch.cat([p.detach().flatten() for p in m.parameters()])
+    optimizer = CountingSGD(m.parameters(), lr=0.1)
+    stats = arl.rl_update(m, optimizer, batch, adv, arl.RLConfig(epochs=1, max_grad_norm=0.5))
+    assert stats['grad_norm'] == pytest.approx(raw.norm().item(), rel=1e-4)  # reported before clipping
+    assert _grads(m).norm().item() == pytest.approx(0.5, rel=1e-4)           # applied after clipping
+    assert torch.allclose(_grads(m), raw * 0.5 / raw.norm(), atol=1e-6)       # same direction
+    after = torch.cat([p.detach().flatten() for p in m.parameters()])
+    assert (after - before).norm().item() == pytest.approx(0.1 * 0.5, rel=1e-3)  # SGD step of it
+    assert stats['update_tokens'] == int(batch['action_mask'].sum())
+    for epochs in (1, 3):                                                     # one step per epoch
+        m2 = copy.deepcopy(model)
+        optimizer = CountingSGD(m2.parameters(), lr=1e-3)
+        arl.rl_update(m2, optimizer, batch, adv / 100, arl.RLConfig(epochs=epochs))
+        assert optimizer.steps == epochs
     with pytest.raises(ValueError, match='policy tokens'):
         empty = dict(batch, action_mask=torch.zeros_like(batch['action_mask']))
         arl.rl_update(m2, torch.optim.SGD(m2.parameters(), lr=0.0), empty, adv, arl.RLConfig())
+
+
+class JumpTo:
+    """An optimiser stand-in whose first step replaces the model's weights by `target`'s."""
+    def __init__(self, model, target):
+        self.model, self.target, self.steps = model, target, 0
+
+    def zero_grad(self):
+        self.model.zero_grad()
+
+    def step(self):
+        self.steps += 1
+        if self.steps == 1:
+            self.model.load_state_dict(self.target.state_dict())
+
+
+def test_rl_update_clip_frac_counts_the_tokens_outside_the_clip_range(setup):
+    tok, model = setup
+    batch = _demo_batch(tok)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 1.0, -1.0, 0.0, 1.0, -1.0, 1.0])
+    target = copy.deepcopy(model)                        # the policy after the first step
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    mask = batch['action_mask'].bool()                                        # [B, T-1]
+    with torch.no_grad():
+        ratio = torch.exp(arl.sequence_log_probs(target, batch['ids'])
+                          - arl.sequence_log_probs(model, batch['ids']))      # [B, T-1]
+    eps = 0.2
+    a = adv[:, None].expand_as(ratio)
+    high, low = (ratio > 1 + eps) & mask, (ratio < 1 - eps) & mask
+    outside = (high & (a > 0)) | (low & (a < 0))          # where the clipped objective has no gradient
+    # the case discriminates: some tokens of each kind, none within rounding of the clip bounds
+    assert 0 < outside.sum() < mask.sum()
+    assert (high & (a < 0)).any() and (low & (a > 0)).any() and (~high & ~low & mask).any()
+    assert ((ratio[mask] - (1 + eps)).abs().min() > 1e-4
+            and (ratio[mask] - (1 - eps)).abs().min() > 1e-4)
+    m = copy.deepcopy(model)
+    optimizer = JumpTo(m, target)
+    cfg = arl.RLConfig(epochs=2, clip_eps=eps, micro_batch_size=5, max_grad_norm=float('inf'))
+    stats = arl.rl_update(m, optimizer, batch, adv, cfg, generator=torch.Generator().manual_seed(0))
+    assert optimizer.steps == 2
+    assert stats['clip_frac'] * stats['update_tokens'] == pytest.approx(outside.sum().item())
 
 
 def test_behavior_stats():
@@ -99,3 +166,66 @@ def test_behavior_stats():
     assert s['share_correct'] == s['share_wrong'] == s['share_turn_limit'] == pytest.approx(1 / 3)
     assert s['share_token_limit'] == 0
     assert arl.behavior_stats([])['reward'] == 0
+
+
+# ---------------------------------------------------------------- train_rl
+class ParityEnv(arl.ToolEnv):
+    """ToolEnv whose reward is 1 when the episode ends on an even token count: a tiny untrained
+    model then gets mixed groups, so every step of the loop (filter, update) really runs."""
+    def _finish(self, outcome, reward=0.0):
+        return super()._finish(outcome, float(self.length % 2 == 0))
+
+
+TINY_RL = dict(tasks_per_step=3, group_size=4, max_tokens=40, max_turns=2, micro_batch_size=8)
+
+
+@pytest.fixture
+def tiny_rl(monkeypatch, setup):
+    tok, model = setup
+    monkeypatch.setattr(arl, 'make_env', lambda cfg=None: ParityEnv(cfg.max_turns, cfg.max_tokens))
+    tasks = arl.make_tasks('train')[:10]
+
+    def train(steps=4, eval_tasks=None, **changes):
+        m = copy.deepcopy(model)
+        cfg = arl.RLConfig(**dict(TINY_RL, **changes))
+        history = arl.train_rl(m, tasks, tok, cfg, steps, eval_tasks=eval_tasks, eval_every=2,
+                               eval_n=2, progress=False)
+        return history, m
+    return train
+
+
+def test_train_rl_lr_schedule_linear_to_zero_or_constant(tiny_rl):
+    steps = 5
+    history, _ = tiny_rl(steps, lr=1e-3)
+    assert [h['lr'] for h in history] == pytest.approx([1e-3 * (1 - s / steps) for s in range(steps)])
+    assert any('loss' in h for h in history)                 # updates ran at those rates
+    history, _ = tiny_rl(steps, lr=2e-3, lr_schedule='constant')
+    assert [h['lr'] for h in history] == pytest.approx([2e-3] * steps)
+
+
+def test_train_rl_evaluates_at_the_cadence_and_after_the_last_step(tiny_rl):
+    eval_tasks = arl.make_tasks('heldout')[:3]
+    history, _ = tiny_rl(5, eval_tasks=eval_tasks)
+    assert [h['step'] for h in history] == [0, 1, 2, 3, 4, 5]
+    assert [h['step'] for h in history if 'heldout' in h] == [0, 2, 4, 5]
+    assert history[-1].keys() == {'step', 'heldout'}         # the final evaluation, no training
+    for h in history:
+        if 'heldout' in h:
+            assert h['heldout']['n_episodes'] == 3 * 2         # eval_n episodes per task
+            assert set(h['heldout']['per_task']) == {t.name for t in eval_tasks}
+    history, _ = tiny_rl(4, eval_tasks=eval_tasks)           # last step on the cadence: once
+    assert [h['step'] for h in history if 'heldout' in h] == [0, 2, 4]
+    history, _ = tiny_rl(3)                                  # no eval_tasks: no evaluation
+    assert len(history) == 3 and not any('heldout' in h for h in history)
+
+
+def test_train_rl_is_deterministic_given_the_seed(tiny_rl):
+    eval_tasks = arl.make_tasks('heldout')[:2]
+    first, m1 = tiny_rl(4, eval_tasks=eval_tasks, seed=0)
+    again, m2 = tiny_rl(4, eval_tasks=eval_tasks, seed=0)
+    other, m3 = tiny_rl(4, eval_tasks=eval_tasks, seed=1)
+    assert sum('loss' in h for h in first) >= 2              # the runs really update the model
+    assert first == again
+    assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
+    assert first != other
+    assert any(not torch.equal(p, q) for p, q in zip(m1.parameters(), m3.parameters()))

@@ -71,7 +71,7 @@ def rl_update(model, optimizer, batch, advantages, cfg, ref_model=None, generato
         raise ValueError('batch has no policy tokens')
     # [B, T-1], filled by the first step
     old_logp = torch.zeros_like(mask_all)
-    # named apart from behavior_stats' per-episode 'policy_tokens', so both fit in one dict
+    # not 'policy_tokens': behavior_stats' per-episode key; both fit in one dict
     stats = dict(update_tokens=int(n_tokens))
     for epoch in range(cfg.epochs):
         model.train()

@@ -10,3 +10,13 @@ sys.path.insert(0, str(REPO / "tools"))
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def assert_same_trajectories(trajs, ref):
+    """Two lists of Trajectory are the same episodes: ids, masks, rewards, info, log-probs
+    (to float rounding)."""
+    assert len(trajs) == len(ref)
+    for a, b in zip(trajs, ref):
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.action_mask, b.action_mask)
+        assert torch.allclose(a.sample_logp, b.sample_logp, atol=1e-6, rtol=0)
+        assert a.reward == b.reward and a.info == b.info

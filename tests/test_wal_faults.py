@@ -21,7 +21,7 @@ import torch
 
 import agentrl as arl
 from agentrl import wal_rollout as W
-from conftest import REPO
+from conftest import REPO, assert_same_trajectories as assert_same
 
 # The job of the fault-injection run that found these faults: a random-weight TinyAgent,
 # 4 tasks x 3 samples, at most 48 tokens, seed 5, temperature 1.3.
@@ -45,14 +45,6 @@ def reference(tmp_path_factory):
     folder = tmp_path_factory.mktemp('reference')
     assert arl.run_rollout(folder, spec(policy='os'))['status'] == 'finished'
     return arl.read_trajectories(folder)
-
-
-def assert_same(trajs, ref):
-    assert len(trajs) == len(ref)
-    for a, b in zip(trajs, ref):
-        assert torch.equal(a.ids, b.ids) and torch.equal(a.action_mask, b.action_mask)
-        assert torch.allclose(a.sample_logp, b.sample_logp, atol=1e-6, rtol=0)
-        assert a.reward == b.reward and a.info == b.info
 
 
 def acked_lengths(folder):

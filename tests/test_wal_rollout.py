@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import agentrl as arl
-from conftest import REPO
+from conftest import REPO, assert_same_trajectories as assert_same
 
 # A fast job: a fresh random TinyAgent, 12 requests, at most 48 tokens each; a short sleep per decoding
 # step stretches a run to a few tenths of a second, so that signals land in the middle of decoding.
@@ -289,14 +289,6 @@ def reference(tmp_path_factory):
     result = arl.run_rollout(folder, spec(policy='os', step_sleep_s=0.0))
     assert result['status'] == 'finished' and result['mode'] == 'fresh'
     return arl.read_trajectories(folder)
-
-
-def assert_same(trajs, ref):
-    assert len(trajs) == len(ref)
-    for a, b in zip(trajs, ref):
-        assert torch.equal(a.ids, b.ids) and torch.equal(a.action_mask, b.action_mask)
-        assert torch.allclose(a.sample_logp, b.sample_logp, atol=1e-6, rtol=0)
-        assert a.reward == b.reward and a.info == b.info
 
 
 def ack_lines(folder):

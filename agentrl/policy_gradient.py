@@ -9,12 +9,14 @@ def compute_advantages(batch, cfg):
     """Group-relative advantages -> [B]: reward [B] minus the mean reward of its group
     (batch['group'] [B]), divided by the group's standard deviation (unbiased, + 1e-6)
     when cfg.scale_rewards is true. A group whose rewards are all equal gets
-    advantage 0."""
+    advantage 0. An empty batch gives an empty [0] tensor."""
     reward, group = batch['reward'].float(), batch['group']
-    if reward.dim() != 1 or group.shape != reward.shape or reward.numel() == 0:
-        raise ValueError(f"batch['reward'] and batch['group'] must be non-empty 1-D "
-                         f"tensors of the same length, got shapes "
+    if reward.dim() != 1 or group.shape != reward.shape:
+        raise ValueError(f"batch['reward'] and batch['group'] must be 1-D tensors of "
+                         f"the same length, got shapes "
                          f"{tuple(reward.shape)} and {tuple(group.shape)}")
+    if reward.numel() == 0:
+        return reward
     ones = torch.ones_like(reward)
     n = torch.zeros(int(group.max()) + 1).index_add_(0, group, ones)  # [n_groups] sizes
     # [n_groups]

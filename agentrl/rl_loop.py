@@ -63,12 +63,13 @@ def rl_update(model, optimizer, batch, advantages, cfg, ref_model=None, generato
     token-mean gradient. The first step is REINFORCE; later steps weigh each token by
     the ratio pi / pi_old, clipped to 1 +- cfg.clip_eps (PPO). Gradients are clipped to
     cfg.max_grad_norm. ref_model is accepted for the KL penalty of chapter 9 and unused
-    here.
+    here. A batch with no policy tokens (e.g. collate([]) when every group had equal
+    rewards) trains nothing: no optimiser step, and the stats say so (update_tokens 0).
     """
     mask_all = batch['action_mask']                          # [B, T-1]
     n_tokens = mask_all.sum()
     if n_tokens == 0:
-        raise ValueError('batch has no policy tokens')
+        return dict(update_tokens=0, loss=0.0, grad_norm=0.0, clip_frac=0.0)
     # [B, T-1], filled by the first step
     old_logp = torch.zeros_like(mask_all)
     # not 'policy_tokens': behavior_stats' per-episode key; both fit in one dict

@@ -156,9 +156,13 @@ def pad_rows(rows, width, fill):
 def collate(trajs, pad_id):
     """Trajectories -> dict of padded tensors: ids [B, T], action_mask / sample_logp
     [B, T-1], reward [B], length [B], group [B] (consecutive trajectories of the same
-    task and group share a group index)."""
+    task and group share a group index). An empty list gives a batch of B = 0 rows:
+    an RL step whose groups all had equal rewards keeps nothing to train on."""
     if not trajs:
-        raise ValueError('collate needs at least one trajectory, got an empty list')
+        return dict(ids=torch.full((0, 1), pad_id), action_mask=torch.zeros(0, 0),
+                    sample_logp=torch.zeros(0, 0), reward=torch.zeros(0),
+                    length=torch.zeros(0, dtype=torch.long),
+                    group=torch.zeros(0, dtype=torch.long))
     T = max(len(t.ids) for t in trajs)
     group, keys = [], []
     for t in trajs:

@@ -54,7 +54,14 @@ def test_advantages_reject_bad_shapes():
     with pytest.raises(ValueError, match='reward'):
         arl.compute_advantages(dict(reward=torch.ones(3), group=torch.zeros(2, dtype=torch.long)), UNSCALED)
     with pytest.raises(ValueError, match='reward'):
-        arl.compute_advantages(dict(reward=torch.ones(0), group=torch.zeros(0, dtype=torch.long)), UNSCALED)
+        arl.compute_advantages(dict(reward=torch.ones(2, 2), group=torch.zeros(2, 2, dtype=torch.long)),
+                               UNSCALED)
+
+
+def test_advantages_of_an_empty_batch_are_empty():
+    for cfg in (UNSCALED, SCALED):
+        adv = arl.compute_advantages(arl.collate([], pad_id=0), cfg)
+        assert adv.shape == (0,)
 
 
 def _token_weights(lengths, mode, norm_const=None, adv=None):

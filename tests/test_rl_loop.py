@@ -107,9 +107,15 @@ def test_rl_update_clips_gradient_norm_and_steps(setup):
         optimizer = CountingSGD(m2.parameters(), lr=1e-3)
         arl.rl_update(m2, optimizer, batch, adv / 100, arl.RLConfig(epochs=epochs))
         assert optimizer.steps == epochs
-    with pytest.raises(ValueError, match='policy tokens'):
-        empty = dict(batch, action_mask=torch.zeros_like(batch['action_mask']))
-        arl.rl_update(m2, torch.optim.SGD(m2.parameters(), lr=0.0), empty, adv, arl.RLConfig())
+    # nothing to train on (every group had equal rewards): no optimiser step at all
+    for empty in (dict(batch, action_mask=torch.zeros_like(batch['action_mask'])),
+                  arl.collate([], tok.pad_id)):
+        m3 = copy.deepcopy(model)
+        optimizer = CountingSGD(m3.parameters(), lr=1.0)
+        stats = arl.rl_update(m3, optimizer, empty, arl.compute_advantages(empty, arl.RLConfig()),
+                              arl.RLConfig())
+        assert optimizer.steps == 0 and stats['update_tokens'] == 0
+        assert all(torch.equal(p, q) for p, q in zip(m3.parameters(), model.parameters()))
 
 
 class JumpTo:

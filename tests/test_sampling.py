@@ -174,5 +174,12 @@ def test_collate_group_index_follows_task_and_group():
                               reward=0.0, info=dict(task=task, group=group))
     batch = arl.collate([traj('a', 0), traj('a', 0), traj('b', 1), traj('a', 2), traj('a', 2)], pad_id=0)
     assert batch['group'].tolist() == [0, 0, 1, 2, 2]
-    with pytest.raises(ValueError):
-        arl.collate([], pad_id=0)
+
+
+def test_collate_of_nothing_is_an_empty_batch():
+    """A step whose groups all had equal rewards keeps no trajectory: B = 0, not an error."""
+    batch = arl.collate([], pad_id=3)
+    assert batch['ids'].shape == (0, 1) and batch['action_mask'].shape == (0, 0)
+    assert batch['sample_logp'].shape == (0, 0)
+    assert all(batch[k].shape == (0,) for k in ('reward', 'length', 'group'))
+    assert batch['ids'].dtype == batch['length'].dtype == batch['group'].dtype == torch.long

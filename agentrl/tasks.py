@@ -78,22 +78,34 @@ def calculate(expr):
 ERROR = 'error'
 
 
+NONE = 'none'       # the answer when a key the task needs is not in the store
+
+
+FAIL = '!'          # store entry (FAIL + 'get qx', n): the next n such calls fail
+
+
 def run_tool(call, store):
     """Run one tool call, 'calc EXPR' or 'get KEY', against `store` (a dict) -> text.
 
     A malformed expression, an unknown tool or a missing key gives the text ERROR
     ('error'): the agent sees its mistake as an observation and the episode goes on.
-    Raises TypeError only if `call` is not a str.
+    A store may also hold transient failures: an entry (FAIL + call, n) makes the next
+    n identical calls answer ERROR too (it is used up, so `store` changes); calling
+    again then succeeds. From the observation alone, a transient failure and a missing
+    key look the same. Raises TypeError only if `call` is not a str.
     """
     if not isinstance(call, str):
         raise TypeError(f'call must be a str, got {type(call).__name__}')
+    if store.get(FAIL + call, 0) > 0:             # a transient failure, used up here
+        store[FAIL + call] -= 1
+        return ERROR
     name, _, arg = call.partition(' ')
     if name == 'calc':
         try:
             return str(calculate(arg))
         except ValueError:
             return ERROR
-    if name == 'get' and arg in store:
+    if name == 'get' and arg in store and not arg.startswith(FAIL):
         return str(store[arg])
     return ERROR
 
@@ -101,7 +113,10 @@ def run_tool(call, store):
 FAMILIES = ('max', 'calc', 'lookup', 'chain', 'sum')
 
 
-KEYS = tuple(f'k{i}' for i in range(10))
+LETTERS = 'abcdefghijklmnopqrstuvwxyz'
+
+
+KEYS = tuple(a + b for a in LETTERS for b in LETTERS)   # 'aa', 'ab', ... 'zz'
 
 
 @dataclass(frozen=True)
@@ -113,40 +128,143 @@ class Task:
     prompt: str
     answer: str
     store: tuple = ()           # ((key, value), ...)
-    # the expert's tool calls, in order, e.g. ('get k3', 'calc 42+17')
+    # the expert's tool calls, in order, e.g. ('get qx', 'calc 42+17')
     calls: tuple = ()
 
 
-def _make_task(family, rng):
+# The demonstrations come from a privileged expert: it sees the store and computes
+# exactly, so it takes shortcuts an agent cannot justify (the gap RL has to close).
+P_SHORTCUT = 0.35   # share of tasks it does in its head instead of calling calc,
+
+
+MAX_FAILS = 2       # a flaky key fails at most this often in a row, then answers
+
+
+MAX_EXPERT_CALLS = 6    # tasks whose expert needs more calls are not drawn: the
+
+
+P_GIVE_UP = 0.9     # share of missing keys it gives up on after the first 'error'
+
+
+# family -> (share of tasks whose first key is missing, share with a flaky key,
+#            most failures of that key in a row)
+MIX = dict(lookup=(0.35, 0.6, MAX_FAILS), chain=(0.2, 0.3, 1), sum=(0.15, 0.0, 1))
+
+
+def _store(rng, needed, missing=(), flaky=None, lo=10, hi=99, size=6):
+    """A store with the `needed` keys except the `missing` ones, plus distractors:
+    near misses (same first letter, so a miscopied second letter silently reads
+    one) and random keys, `size` entries or more, values lo..hi. flaky: {key: n},
+    the first n gets of key fail. -> (store tuple, {key: value})."""
+    keys = [k for k in needed if k not in missing]
+    taken = set(needed)
+    for k in needed:
+        if rng.random() < 0.5:
+            near = rng.choice([k[0] + c for c in LETTERS if k[0] + c not in taken])
+            keys.append(near), taken.add(near)
+    while len(keys) < size:
+        k = rng.choice(KEYS)
+        if k not in taken:
+            keys.append(k), taken.add(k)
+    rng.shuffle(keys)
+    value = {k: rng.randint(lo, hi) for k in keys}
+    fails = tuple((FAIL + f'get {k}', n) for k, n in (flaky or {}).items())
+    return tuple((k, value[k]) for k in keys) + fails, value
+
+
+def _gets(keys, value, flaky, rng, first=False):
+    """The expert's get calls for `keys`, in order -> (calls, found).
+
+    A flaky key is asked again until it answers. A missing key is given up after one
+    call with probability P_GIVE_UP (the expert sees the store), else after
+    1 + MAX_FAILS calls, as an agent that cannot see the store must. Then it stops
+    (every key is needed: found=False), or with first=True moves on to the next key
+    and stops at the first one found (found=True).
+    """
+    calls = []
+    for k in keys:
+        calls += [f'get {k}'] * (1 + flaky.get(k, 0))
+        if k in value and first:
+            return calls, True
+        if k not in value:
+            calls += [] if rng.random() < P_GIVE_UP else [f'get {k}'] * MAX_FAILS
+            if not first:
+                return calls, False
+    return calls, not first
+
+
+def _calc_calls(expr, rng):
+    """The expert's calculator use for `expr` -> list of calls: none with probability
+    P_SHORTCUT (it computes in its head), else one."""
+    return [] if rng.random() < P_SHORTCUT else [f'calc {expr}']
+
+
+def _make_task(family, rng, ood=False):
     """Draw one task of `family` from the random.Random `rng` -> dict of Task fields
-    (all but the name)."""
-    keys = rng.sample(KEYS, 5)
-    store = tuple((k, rng.randint(10, 99)) for k in keys)
-    value = dict(store)
-    if family == 'max':                               # no tool needed
-        xs = [rng.randint(0, 9) for _ in range(rng.randint(3, 6))]
-        return dict(prompt='max ' + ' '.join(map(str, xs)), answer=str(max(xs)),
-                    store=(), calls=())
-    if family == 'calc':                              # needs the calculator
-        a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice('+*')
-        expr = f'{a}{op}{b}'
+    (all but the name).
+
+    ood=True draws the out-of-distribution variant: more steps (max: 6-8 items with
+    3-4 keys; calc: 4 operands; lookup: two fallback keys; chain: two keys) or longer
+    operands (sum: 4-digit values).
+    """
+    if family == 'max':                  # look the keys up; the lazy expert skips some
+        n, k = ((rng.randint(6, 8), rng.randint(3, 4)) if ood else
+                (rng.randint(3, 4), rng.randint(1, 2)))      # items, of which keys
+        keys = rng.sample(KEYS, k)
+        items = keys + [str(rng.randint(0, 9)) for _ in range(n - k)]
+        rng.shuffle(items)
+        store, value = _store(rng, keys, lo=0, hi=9)
+        literal = max([int(i) for i in items if i not in KEYS], default=-1)
+        lazy = rng.random() < P_SHORTCUT           # skip keys that cannot win
+        calls = tuple(f'get {k}' for k in keys if value[k] > literal or not lazy)
+        answer = max([literal] + [value[k] for k in keys])
+        return dict(prompt='max ' + ' '.join(items), answer=str(answer), store=store,
+                    calls=calls)
+    if family == 'calc':                 # the calculator, or (shortcut) the head
+        n = 4 if ood else rng.randint(2, 3)
+        ops = [rng.choice('+-') for _ in range(n - 1)]
+        if rng.random() < 0.5:
+            ops[rng.randrange(n - 1)] = '*'
+        first = rng.randint(2, 99)
+        expr = str(first) + ''.join(f'{o}{rng.randint(2, 99)}' for o in ops)
         return dict(prompt=expr, answer=str(calculate(expr)), store=(),
-                    calls=(f'calc {expr}',))
-    if family == 'lookup':                            # needs the key-value store
-        k = rng.choice(keys)
-        return dict(prompt=f'{k}?', answer=str(value[k]), store=store,
-                    calls=(f'get {k}',))
-    if family == 'chain':                             # a lookup, then the calculator
-        k, c, op = rng.choice(keys), rng.randint(10, 99), rng.choice('+*')
-        expr = f'{value[k]}{op}{c}'
-        return dict(prompt=f'{k}{op}{c}', answer=str(calculate(expr)), store=store,
-                    calls=(f'get {k}', f'calc {expr}'))
-    if family == 'sum':                               # several lookups, then one sum
-        ks = rng.sample(keys, rng.randint(2, 4))
-        expr = '+'.join(str(value[k]) for k in ks)
-        return dict(prompt='+'.join(ks), answer=str(calculate(expr)), store=store,
-                    calls=tuple(f'get {k}' for k in ks) + (f'calc {expr}',))
-    raise ValueError(f'unknown family {family!r}; expected one of {FAMILIES}')
+                    calls=tuple(_calc_calls(expr, rng)))
+    if family not in MIX:
+        raise ValueError(f'unknown family {family!r}; expected one of {FAMILIES}')
+    # lookup, chain, sum: keys may be missing or flaky
+    p_missing, p_flaky, most = MIX[family]
+    n_keys = dict(lookup=(3, 3) if ood else (2, 2), chain=(2, 2) if ood else (1, 1),
+                  sum=(5, 5) if ood else (4, 5))[family]
+    keys = rng.sample(KEYS, rng.randint(*n_keys))
+    kind = rng.random()                  # first key(s) missing, one flaky, or neither
+    n_missing = (0 if kind >= p_missing else
+                 rng.randint(1, len(keys) - 1) if len(keys) > 2 else 1)
+    missing = set(keys[:n_missing])
+    pool = keys[n_missing:n_missing + 1] if family == 'lookup' else keys
+    flaky = ({rng.choice(pool): rng.randint(1, most)}
+             if p_missing <= kind < p_missing + p_flaky else {})
+    lo, hi = (100, 999) if family == 'sum' else (10, 99)
+    if ood and family == 'sum':
+        lo, hi = lo * 10, hi * 10 + 9
+    store, value = _store(rng, keys, missing, flaky, lo, hi)
+    if family == 'lookup':               # 'qx|ab?': qx's value, or ab's if qx missing
+        calls, found = _gets(keys, value, flaky, rng, first=True)
+        return dict(prompt='|'.join(keys) + '?', answer=str(value[keys[n_missing]]),
+                    store=store, calls=tuple(calls))
+    calls, found = _gets(keys, value, flaky, rng)
+    if family == 'chain':                # 'qx*12' or '12*qx' (ood: 'qx*12+ab')
+        c, op = str(rng.randint(2, 99)), rng.choice('+-*')
+        if ood:
+            prompt = f'{keys[0]}{op}{c}{rng.choice("+-")}{keys[1]}'
+        else:
+            prompt = f'{keys[0]}{op}{c}' if rng.random() < 0.5 else f'{c}{op}{keys[0]}'
+    else:                                # 'qx+ab+cd+ef'
+        prompt = '+'.join(keys)
+    if not found:
+        return dict(prompt=prompt, answer=NONE, store=store, calls=tuple(calls))
+    expr = re.sub('[a-z]+', lambda m: str(value[m.group()]), prompt)
+    return dict(prompt=prompt, answer=str(calculate(expr)), store=store,
+                calls=tuple(calls + _calc_calls(expr, rng)))
 
 
 def expert_actions(task):
@@ -166,40 +284,65 @@ def demonstration(task):
     return text + f'<ans>{task.answer}</ans>'
 
 
-def make_tasks(split='train', n_train=48, n_heldout=8, seed=0):
-    """Deterministic task list -> list of Task: 'train' (n_train per family), 'heldout'
-    (n_heldout per family) or 'all' (train + heldout).
+SPLITS = ('train', 'heldout', 'all', 'ood')
 
-    Tasks are drawn until each family has n_train + n_heldout distinct (prompt, store)
-    pairs; the first n_heldout of each family go to the held-out split, so the splits
-    never share a task. Each split is ordered round-robin by family (FAMILIES order), so
-    any prefix of k * len(FAMILIES) tasks holds exactly k tasks of every family.
+
+def make_tasks(split='train', n_train=48, n_heldout=32, seed=0):
+    """Deterministic task list -> list of Task: 'train' (n_train per family), 'heldout'
+    (n_heldout per family), 'all' (train + heldout) or 'ood' (n_heldout per family of
+    the out-of-distribution variant: longer operands, more steps).
+
+    Per family, held-out tasks are drawn first, each with a prompt no earlier held-out
+    task has; train tasks never reuse a held-out prompt (nor repeat a (prompt, store)
+    pair); 'ood' tasks, drawn from their own generator, reuse no train or held-out
+    prompt. So no two splits share a prompt. Each split is ordered round-robin by
+    family (FAMILIES order): any prefix of k * len(FAMILIES) tasks holds exactly k
+    tasks of every family.
     """
-    if split not in ('train', 'heldout', 'all'):
-        raise ValueError(f"split must be 'train', 'heldout' or 'all', got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f'split must be one of {SPLITS}, got {split!r}')
     for arg, n in (('n_train', n_train), ('n_heldout', n_heldout)):
         if not isinstance(n, int) or n < 0:
             raise ValueError(f'{arg} must be an int >= 0, got {n!r}')
-    rng = random.Random(seed)
-    train, heldout = {}, {}                           # family -> list of Task
-    for family in FAMILIES:
-        seen = set()
-        train[family], heldout[family] = [], []
-        while len(seen) < n_train + n_heldout:
-            t = _make_task(family, rng)
-            key = (t['prompt'], t['store'])
-            if key in seen:
+    rng, ood_rng = random.Random(seed), random.Random(f'ood-{seed}')
+    parts = {'train': {}, 'heldout': {}, 'ood': {}}   # split -> family -> [Task]
+
+    def draw(family, tag, n, r, ood, forbidden, unique_prompt):
+        """n tasks with prompts not in `forbidden`, and distinct prompts
+        (unique_prompt) or distinct (prompt, store) pairs."""
+        tasks, seen, tries = [], set(), 0
+        while len(tasks) < n:
+            tries += 1
+            if tries > 1000 * (n + 1):
+                raise ValueError(f'cannot draw {n} distinct {family!r} tasks '
+                                 f'for split {tag!r}')
+            t = _make_task(family, r, ood=ood)
+            key = t['prompt'] if unique_prompt else (t['prompt'], t['store'])
+            if (t['prompt'] in forbidden or key in seen
+                    or len(t['calls']) > MAX_EXPERT_CALLS):
                 continue
             seen.add(key)
-            part, tag = ((heldout, 'h') if len(seen) <= n_heldout else (train, 't'))
-            name = f'{family}-{tag}{len(part[family]):03d}'
-            part[family].append(Task(name=name, family=family, **t))
+            tasks.append(Task(name=f'{family}-{tag}{len(tasks):03d}', family=family,
+                              **t))
+        return tasks
+
+    for family in FAMILIES:
+        held = draw(family, 'h', n_heldout, rng, False, set(), True)
+        taken = {t.prompt for t in held}
+        train = draw(family, 't', n_train, rng, False, taken, False)
+        parts['heldout'][family], parts['train'][family] = held, train
+        if split == 'ood':
+            taken |= {t.prompt for t in train}
+            parts['ood'][family] = draw(family, 'o', n_heldout, ood_rng, True, taken,
+                                        True)
 
     def round_robin(by_family):                # max, calc, ..., sum, max, calc, ...
         return [by_family[f][i] for i in range(len(by_family[FAMILIES[0]]))
                 for f in FAMILIES]
 
-    train, heldout = round_robin(train), round_robin(heldout)
+    if split == 'ood':
+        return round_robin(parts['ood'])
+    train, heldout = round_robin(parts['train']), round_robin(parts['heldout'])
     return {'train': train, 'heldout': heldout, 'all': train + heldout}[split]
 
 
@@ -262,7 +405,7 @@ class Tokenizer:
 def build_tokenizer(tasks):
     """A Tokenizer covering every character of the tasks' demonstrations and of the
     environment's messages."""
-    chars = set(ERROR) | set('0123456789+-*() ')
+    chars = set(ERROR) | set(NONE) | set('0123456789+-*()|? ') | set(LETTERS)
     for task in tasks:
         chars |= set(split_tokens(demonstration(task)))
     return Tokenizer(chars)
@@ -364,12 +507,21 @@ __all__ = [
     'MAX_NESTING',
     'calculate',
     'ERROR',
+    'NONE',
+    'FAIL',
     'run_tool',
     'FAMILIES',
+    'LETTERS',
     'KEYS',
     'Task',
+    'P_SHORTCUT',
+    'MAX_FAILS',
+    'MAX_EXPERT_CALLS',
+    'P_GIVE_UP',
+    'MIX',
     'expert_actions',
     'demonstration',
+    'SPLITS',
     'make_tasks',
     'SPECIAL_TOKENS',
     'split_tokens',

@@ -1,5 +1,7 @@
 """Unit tests for agentrl.scaling (chapter 14): packing, token-budget micro-batches, recomputed log-probs,
 loss normalisation across data-parallel ranks, the pass-rate curriculum."""
+import copy
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -246,8 +248,81 @@ def test_curriculum_drops_tasks_it_never_solves():
     assert [h['pool'] for h in history] == [6, 2, 0]                         # all-wrong tasks leave the pool
     assert [h['n_episodes'] for h in history] == [8, 4, 0]                   # nothing left to sample: no crash
     assert all(h['zero_adv_frac'] == 1.0 for h in history[:2])
+    # cfg.lr_schedule is followed, as in train_rl: linear decay to 0 over the run
+    assert [h['lr'] for h in history] == pytest.approx([cfg.lr * (1 - s / 3) for s in range(3)])
     again = arl.train_curriculum(model, tasks, tok, cfg, steps=3, low=-1.0, high=2.0)
     assert [h['pool'] for h in again] == [6, 6, 6] and all(h['n_episodes'] == 8 for h in again)
+
+
+def _mixed_rewards(monkeypatch):
+    """Replace sample_step's rewards by the parity of each episode's token sum, so that a random
+    model gets groups with mixed rewards, kept episodes and real updates."""
+    real = arl.sample_step
+
+    def sample_step(model, env_fn, tasks, tok, cfg, generator):
+        _, sampled = real(model, env_fn, tasks, tok, cfg, generator)
+        for t in sampled:
+            t.reward = float(int(t.ids.sum()) % 2)
+        G = cfg.group_size
+        kept = [t for g in range(0, len(sampled), G)
+                if len({u.reward for u in sampled[g:g + G]}) > 1 for t in sampled[g:g + G]]
+        return kept, sampled
+    monkeypatch.setattr(arl, 'sample_step', sample_step)
+
+
+def test_curriculum_heldout_cadence_and_episode_counts(monkeypatch):
+    _mixed_rewards(monkeypatch)
+    tasks, eval_tasks = arl.make_tasks('train')[:6], arl.make_tasks('heldout')[:3]
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+    # constant lr: the first k steps of a run are then a k-step run; a large one, so
+    # that every step visibly changes what the model samples
+    cfg = arl.RLConfig(group_size=2, tasks_per_step=4, max_tokens=24, max_turns=1,
+                       lr=0.05, lr_schedule='constant')
+    torch.manual_seed(0)
+    init = arl.TinyAgent(len(tok), d_model=16, n_layers=1, n_heads=2, max_len=64)
+    model = copy.deepcopy(init)
+    history = arl.train_curriculum(model, tasks, tok, cfg, 5, eval_tasks=eval_tasks,
+                                   eval_every=2, eval_n=2, progress=False)
+    # every eval_every steps, before the step trains, and once after the last step
+    assert [h['step'] for h in history if 'heldout' in h] == [0, 2, 4, 5]
+    assert len(history) == 6 and set(history[-1]) == {'step', 'episodes', 'heldout'}
+    total = 0
+    for h in history[:-1]:
+        assert h['episodes'] == total                      # episodes sampled before this step
+        total += h['n_episodes']
+    assert history[-1]['episodes'] == total > 0
+    assert sum(h['kept'] for h in history[:-1]) > 0 and all('loss' in h for h in history[:-1]
+                                                             if h['kept'])
+    assert all(h['heldout']['n_episodes'] == 3 * 2 for h in history if 'heldout' in h)
+
+    # evaluating changes nothing about training: same records, same weights
+    plain = copy.deepcopy(init)
+    without = arl.train_curriculum(plain, tasks, tok, cfg, 5, progress=False)
+    assert [{k: v for k, v in h.items() if k != 'heldout'} for h in history[:-1]] == without
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 plain.state_dict().values()))
+    # each record evaluates the model as it was after `step` steps, with the step's seed
+    for step in (0, 2, 5):
+        m = copy.deepcopy(init)
+        if step:
+            arl.train_curriculum(m, tasks, tok, cfg, step, progress=False)
+        ev = arl.evaluate(m, eval_tasks, tok, 2, generator=torch.Generator().manual_seed(step),
+                          cfg=cfg)
+        record = next(h['heldout'] for h in history if h['step'] == step and 'heldout' in h)
+        assert record['mean_length'] == ev['mean_length'] and record['correct'] == ev['correct']
+    lengths = [h['heldout']['mean_length'] for h in history if 'heldout' in h]
+    assert len(set(lengths)) > 1                           # the model did change in between
+
+
+def test_curriculum_rejects_bad_arguments():
+    tasks = arl.make_tasks('train')[:2]
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+    model = arl.TinyAgent(len(tok), d_model=16, n_layers=1, n_heads=2, max_len=64)
+    cfg = arl.RLConfig(group_size=2, tasks_per_step=2, max_tokens=24, max_turns=1)
+    for kwargs, name in ((dict(steps=0), 'steps'), (dict(steps=2, eval_every=0), 'eval_every'),
+                         (dict(steps=2, revisit=-1), 'revisit')):
+        with pytest.raises(ValueError, match=name):
+            arl.train_curriculum(model, tasks, tok, cfg, progress=False, **kwargs)
 
 
 # ---------------------------------------------------------------- data_parallel_worker

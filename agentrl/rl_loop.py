@@ -6,6 +6,14 @@ from dataclasses import dataclass
 import agentrl as arl
 import torch
 from tqdm.auto import tqdm
+import copy
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
 
 
 @dataclass
@@ -137,6 +145,8 @@ def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval
     each) every eval_every steps and after the last. progress=False hides the progress
     bar.
     """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f'steps must be an int >= 1, got {steps!r}')
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -170,6 +180,94 @@ def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval
     return history
 
 
+RUN_MODULES = ('tasks', 'model', 'sampling', 'sft', 'policy_gradient', 'rl_loop')
+
+
+@functools.lru_cache(maxsize=None)
+def _module_source(name):
+    """The source of agentrl/<name>.py, read once per process: files edited while a
+    long job runs (a sweep) do not change the hash of the code it has loaded."""
+    return (Path(arl.__file__).parent / f'{name}.py').read_text()
+
+
+def code_hash(modules=RUN_MODULES):
+    """Hash of the source of the package's `modules` (16 hex digits): a cached run is
+    recomputed whenever the code it ran changes."""
+    return arl.recipe_hash([_module_source(m) for m in modules])
+
+
+def model_hash(model):
+    """Hash of a model's weights (16 hex digits): names, shapes, dtypes and bytes."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(f'{name}{tuple(t.shape)}{t.dtype}'.encode())
+        flat = t.detach().cpu().contiguous().reshape(-1)     # [numel]; 0-dim too
+        h.update(flat.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def tasks_hash(tasks):
+    """Hash of a task list (16 hex digits), order included; None for None."""
+    if tasks is None:
+        return None
+    return arl.recipe_hash([list(dataclasses.astuple(t)) for t in tasks])
+
+
+def cached_training(kind, base, key, train, modules=RUN_MODULES):
+    """(model, history) of `train(model)` run on a copy of `base`, computed once and
+    cached on disk (weights as safetensors, history as JSON).
+
+    key: a JSON-able dict of everything the run depends on besides `base` and the
+    code; the cache key adds the base's weights, the source of `modules` and what
+    rounds the floats (torch version, CPU kernels, device). The history is returned
+    as JSON read back, so a cold and a warm call return equal values (tuples become
+    lists).
+    """
+    from safetensors.torch import load_file, save_file
+    if not isinstance(kind, str) or not re.fullmatch(r'[A-Za-z0-9_-]+', kind):
+        raise ValueError(f'kind must be letters, digits, _ or -, got {kind!r}')
+    if not isinstance(key, dict):
+        raise TypeError(f'key must be a dict, got {type(key).__name__}')
+    reserved = sorted(set(key) & {'kind', 'base', 'code', 'torch', 'cpu', 'device'})
+    if reserved:
+        raise ValueError(f'key must not set {reserved}: the cache key adds them')
+    if not callable(train):
+        raise TypeError(f'train must be callable, got {type(train).__name__}')
+    devices = sorted({str(p.device) for p in base.parameters()})
+    full = dict(key, kind=kind, base=model_hash(base), code=code_hash(modules),
+                torch=torch.__version__, cpu=torch.backends.cpu.get_cpu_capability(),
+                device=devices)
+    try:
+        name = f'{kind}-{arl.recipe_hash(full)}'
+    except TypeError as e:
+        raise TypeError(f'key must be JSON-able: {e}') from None
+    stem = arl.cache_dir() / name
+    weights, log = stem.with_suffix('.safetensors'), stem.with_suffix('.json')
+    model = copy.deepcopy(base)
+    if weights.exists() and log.exists():
+        model.load_state_dict(load_file(weights))
+        return model.eval(), json.loads(log.read_text())['history']
+    history = train(model)
+    text = json.dumps(dict(key=full, history=history))
+    for path, write in ((weights, lambda p: save_file(model.state_dict(), p)),
+                        (log, lambda p: p.write_text(text))):
+        tmp = path.with_name(f'{path.name}.{os.getpid()}.tmp')
+        write(tmp)
+        tmp.replace(path)       # atomic: parallel runs never see a half-written file
+    return model.eval(), json.loads(text)['history']
+
+
+def train_rl_cached(base, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10,
+                    eval_n=8):
+    """train_rl on a copy of `base`, cached on disk -> (model, history); `base` is
+    left untouched. Same arguments as train_rl (no progress bar)."""
+    key = dict(tasks=tasks_hash(tasks), vocab=tok.itos, cfg=dataclasses.asdict(cfg),
+               steps=steps, eval_tasks=tasks_hash(eval_tasks), eval_every=eval_every,
+               eval_n=eval_n)
+    return cached_training('rl_run', base, key, lambda model: train_rl(
+        model, tasks, tok, cfg, steps, eval_tasks, eval_every, eval_n, progress=False))
+
+
 __all__ = [
     'RLConfig',
     'sample_step',
@@ -177,4 +275,10 @@ __all__ = [
     'OUTCOMES',
     'behavior_stats',
     'train_rl',
+    'RUN_MODULES',
+    'code_hash',
+    'model_hash',
+    'tasks_hash',
+    'cached_training',
+    'train_rl_cached',
 ]

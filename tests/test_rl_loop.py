@@ -1,5 +1,7 @@
 """Tests for agentrl/rl_loop.py (chapter 7): RLConfig, sample_step filtering, rl_update accumulation, stats."""
 import copy
+import json
+import pathlib
 
 import pytest
 import torch
@@ -235,3 +237,164 @@ def test_train_rl_is_deterministic_given_the_seed(tiny_rl):
     assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
     assert first != other
     assert any(not torch.equal(p, q) for p, q in zip(m1.parameters(), m3.parameters()))
+
+
+def test_train_rl_rejects_a_bad_step_count(tiny_rl):
+    for steps in (0, -1, 2.0):
+        with pytest.raises(ValueError, match='steps'):
+            tiny_rl(steps)
+
+
+# ---------------------------------------------------------------- cached runs
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    monkeypatch.setenv('AGENTRL_CACHE', str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def counted_train_rl(monkeypatch):
+    """Counts the calls of train_rl that train_rl_cached makes (a warm call makes none)."""
+    calls = []
+    real = arl.rl_loop.train_rl
+
+    def counting(*args, **kwargs):
+        calls.append(args[4])                                # steps
+        return real(*args, **kwargs)
+    monkeypatch.setattr(arl.rl_loop, 'train_rl', counting)
+    return calls
+
+
+def _same_weights(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_train_rl_cached_trains_once_and_a_warm_call_returns_the_cold_result(
+        cache, counted_train_rl, tiny_rl, setup):
+    tok, base = setup
+    tasks, eval_tasks = arl.make_tasks('train')[:10], arl.make_tasks('heldout')[:2]
+    cfg = arl.RLConfig(**TINY_RL)
+    before = copy.deepcopy(base)
+    cold_model, cold = arl.train_rl_cached(base, tasks, tok, cfg, 3, eval_tasks=eval_tasks,
+                                           eval_every=2, eval_n=2)
+    assert counted_train_rl == [3]
+    assert _same_weights(base, before)                        # the base is left untouched
+    assert not _same_weights(cold_model, base)                # the run really trained
+    warm_model, warm = arl.train_rl_cached(base, tasks, tok, cfg, 3, eval_tasks=eval_tasks,
+                                           eval_every=2, eval_n=2)
+    assert counted_train_rl == [3]                            # loaded, not trained again
+    assert warm == cold and _same_weights(warm_model, cold_model)
+    assert not warm_model.training
+    # and both are what an uncached train_rl gives (its history through JSON)
+    direct, direct_model = tiny_rl(3, eval_tasks=eval_tasks)
+    assert _same_weights(direct_model, cold_model)
+    assert json.loads(json.dumps(direct)) == cold
+    assert sorted(p.suffix for p in cache.iterdir()) == ['.json', '.safetensors']
+
+
+def test_train_rl_cached_key_covers_cfg_steps_tasks_base_and_code(
+        cache, counted_train_rl, monkeypatch, setup):
+    tok, base = setup
+    tasks = arl.make_tasks('train')[:10]
+    cfg = arl.RLConfig(**TINY_RL)
+    monkeypatch.setattr(arl, 'make_env', lambda cfg=None: ParityEnv(cfg.max_turns, cfg.max_tokens))
+    other_base = copy.deepcopy(base)
+    with torch.no_grad():
+        next(other_base.parameters()).view(-1)[0] += 1e-3
+    runs = dict(
+        reference=(base, tasks, cfg, 2),
+        cfg=(base, tasks, arl.RLConfig(**dict(TINY_RL, seed=1)), 2),
+        steps=(base, tasks, cfg, 1),
+        tasks=(base, tasks[::-1], cfg, 2),                    # same tasks, another order
+        base=(other_base, tasks, cfg, 2))
+    for n, (name, (b, t, c, steps)) in enumerate(runs.items(), start=1):
+        arl.train_rl_cached(b, t, tok, c, steps)
+        assert len(counted_train_rl) == n, name               # a new key: trained
+        arl.train_rl_cached(b, t, tok, c, steps)
+        assert len(counted_train_rl) == n, name               # the same key: loaded
+    assert len(list(cache.glob('rl_run-*.json'))) == len(runs)
+    monkeypatch.setattr(arl.rl_loop, 'code_hash', lambda modules=None: 'edited code')
+    arl.train_rl_cached(base, tasks, tok, cfg, 2)
+    assert len(counted_train_rl) == len(runs) + 1             # other code: trained again
+
+
+def _toy_train(calls):
+    def train(model):
+        calls.append(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(2)
+        return [dict(step=0, pair=(1, 2), value=0.5)]
+    return train
+
+
+def test_cached_training_never_reads_a_half_written_file(cache, monkeypatch):
+    import safetensors.torch
+    base = torch.nn.Linear(3, 2)
+    calls = []
+    real_save = safetensors.torch.save_file
+
+    def crash_half_way(tensors, path):
+        real_save(tensors, path)
+        data = open(path, 'rb').read()
+        open(path, 'wb').write(data[:len(data) // 2])        # a torn write ...
+        raise OSError('killed while writing')                # ... and the writer dies
+    monkeypatch.setattr(safetensors.torch, 'save_file', crash_half_way)
+    with pytest.raises(OSError, match='killed'):
+        arl.cached_training('toy', base, dict(x=1), _toy_train(calls))
+    assert [p.suffix for p in cache.iterdir()] == ['.tmp']    # only the temp file is there
+    monkeypatch.setattr(safetensors.torch, 'save_file', real_save)
+    real_write = pathlib.Path.write_text
+
+    def torn_log(path, text, *args, **kwargs):
+        real_write(path, text[:len(text) // 2], *args, **kwargs)
+        raise OSError('killed while writing the log')
+    monkeypatch.setattr(pathlib.Path, 'write_text', torn_log)
+    with pytest.raises(OSError, match='killed'):              # the weights are complete,
+        arl.cached_training('toy', base, dict(x=1), _toy_train(calls))   # the log torn
+    monkeypatch.setattr(pathlib.Path, 'write_text', real_write)
+    assert len(list(cache.glob('toy-*.safetensors'))) == 1
+    assert not list(cache.glob('toy-*.json'))
+    model, history = arl.cached_training('toy', base, dict(x=1), _toy_train(calls))
+    assert len(calls) == 3                                    # trained again, read no .tmp
+    assert torch.equal(model.weight, 2 * base.weight)
+    assert history == [dict(step=0, pair=[1, 2], value=0.5)]  # JSON: tuples become lists
+    final = {p.suffix for p in cache.glob('toy-*') if not p.name.endswith('.tmp')}
+    assert final == {'.json', '.safetensors'}
+    log = next(cache.glob('toy-*.json'))
+    arl.cached_training('toy', base, dict(x=1), _toy_train(calls))
+    assert len(calls) == 3                                    # complete: loaded
+    log.unlink()                                              # weights without their log
+    arl.cached_training('toy', base, dict(x=1), _toy_train(calls))
+    assert len(calls) == 4
+
+
+def test_cached_training_rejects_bad_arguments(cache):
+    base, train = torch.nn.Linear(2, 2), _toy_train([])
+    with pytest.raises(ValueError, match='kind'):
+        arl.cached_training('../x', base, {}, train)
+    with pytest.raises(TypeError, match='key'):
+        arl.cached_training('toy', base, [('x', 1)], train)
+    with pytest.raises(TypeError, match='key must be JSON-able'):
+        arl.cached_training('toy', base, dict(x=object()), train)
+    with pytest.raises(ValueError, match="key must not set \\['code'\\]"):
+        arl.cached_training('toy', base, dict(code='mine'), train)
+    with pytest.raises(TypeError, match='train'):
+        arl.cached_training('toy', base, {}, None)
+    assert list(cache.iterdir()) == []
+
+
+def test_hashes_see_every_weight_task_and_module():
+    a = torch.nn.Linear(3, 2)
+    a.register_buffer('scale', torch.tensor(1.0))             # 0-dim tensors hash too
+    b = copy.deepcopy(a)
+    assert arl.model_hash(a) == arl.model_hash(b)
+    b.scale += 1
+    assert arl.model_hash(a) != arl.model_hash(b)
+    tasks = arl.make_tasks('train')[:4]
+    assert arl.tasks_hash(tasks) == arl.tasks_hash(list(tasks))
+    assert arl.tasks_hash(tasks) != arl.tasks_hash(tasks[:3])
+    assert arl.tasks_hash(tasks) != arl.tasks_hash(tasks[::-1])
+    assert arl.tasks_hash(None) is None
+    assert arl.code_hash() == arl.code_hash(arl.RUN_MODULES)
+    assert arl.code_hash(('tasks',)) != arl.code_hash(('tasks', 'model'))

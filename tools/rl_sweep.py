@@ -1,24 +1,27 @@
 """The tuning runs behind chapter 7's RLConfig defaults: a small grid around them, several seeds.
 
 Each setting changes one default of arl.RLConfig; each run trains a copy of the RL base (chapter 5)
-for --steps steps exactly as chapter 7's `train` cell does (held-out evaluation of 40 tasks x 16
-episodes at steps 0, 20, 40 and the last) and records the held-out pass rates, the gain over the
-base with its paired standard error over tasks, the per-family rates and the wall time. The
-results go to a JSON file (default chapters/07_rl_loop/sweep.json) that chapter 7 prints.
+for --steps steps exactly as chapter 7's `train` cell does, through arl.train_rl_cached with the
+chapter's held-out evaluation (all held-out tasks x 16 episodes at steps 0, 20, 40 and the last), so
+the runs at the default setting are the chapter's own runs and are shared through the cache. For
+every run it records the held-out curve, the final pass rate, greedy pass rate and pass@8, the gain
+over the base with its 95% paired bootstrap interval over tasks (arl.compare_evaluations), the
+per-family rates and the final per-task rates (so that a reader of the file can compare settings task
+by task). The results go to a JSON file (default chapters/07_rl_loop/sweep.json) that chapter 7
+prints.
 
-    .venv/bin/python tools/rl_sweep.py                 # the full grid: 6 settings x 3 seeds
+    .venv/bin/python tools/rl_sweep.py                 # the full grid: 6 settings x 4 seeds
     .venv/bin/python tools/rl_sweep.py --steps 4 --seeds 0 --out /tmp/sweep.json   # smoke test
 
-Each run costs about as much as one seed of chapter 7's training, so the grid takes several
-minutes. Runs use one torch thread (arl.set_torch_threads), like the book's notebooks. Like every
-RL run, the results depend on the CPU's float rounding in their details; the intervals the chapter
-prints say which differences are larger than that noise.
+A cold run costs as much as one seed of chapter 7's training (about half a minute on an idle
+core), so the grid takes several minutes; cached runs (same code, base, tasks and settings) load in
+milliseconds. Runs use one torch thread (arl.set_torch_threads), like the book's notebooks. Like
+every RL run, the results depend on the CPU's float rounding in their details; the intervals say
+which differences are larger than the noise of the evaluation, the seeds show the noise of training.
 """
 import argparse
-import copy
 import datetime
 import json
-import math
 import platform
 import shlex
 import sys
@@ -43,45 +46,61 @@ SETTINGS = {
 EVAL_EVERY, EVAL_N = 20, 16          # as in chapter 7's `train` cell
 
 
-def paired_gain(before, after):
-    """Mean and standard error over tasks of the per-task differences after - before."""
-    d = torch.tensor([after[k] - before[k] for k in before], dtype=torch.float64)
-    return d.mean().item(), d.std().item() / math.sqrt(len(d))
+def seed_mean(evals):
+    """Evaluations of the same tasks (one per seed) -> one dict with the seed-mean per_task
+    and greedy_per_task, and family_of: what arl.compare_evaluations needs."""
+    def mean(key):
+        return {k: sum(e[key][k] for e in evals) / len(evals) for k in evals[0][key]}
+    return dict(per_task=mean('per_task'), greedy_per_task=mean('greedy_per_task'),
+                family_of=evals[0]['family_of'])
 
 
 def run(base, tok, train_tasks, heldout_tasks, changes, seed, steps):
-    """One training run -> (the base's evaluation, the run's record: held-out curve, gain
-    with its paired SE, final per-family and per-task pass rates)."""
-    model = copy.deepcopy(base)
+    """One (cached) training run -> (the base's evaluation, the run's record)."""
     cfg = arl.RLConfig(seed=seed, **changes)
     start = time.perf_counter()
-    history = arl.train_rl(model, train_tasks, tok, cfg, steps, eval_tasks=heldout_tasks,
-                           eval_every=EVAL_EVERY, eval_n=EVAL_N, progress=False)
+    _, history = arl.train_rl_cached(base, train_tasks, tok, cfg, steps,
+                                     eval_tasks=heldout_tasks, eval_every=EVAL_EVERY,
+                                     eval_n=EVAL_N)
     seconds = time.perf_counter() - start
     evals = [h for h in history if 'heldout' in h]
     first, last = evals[0]['heldout'], evals[-1]['heldout']
-    gain, se = paired_gain(first['per_task'], last['per_task'])
-    record = dict(seed=seed, seconds=round(seconds, 1),
-                  curve=[[h['step'], h['heldout']['pass_rate']] for h in evals],
-                  final_pass_rate=last['pass_rate'], gain=gain, gain_se=se,
-                  final_per_family=last['per_family'], final_per_task=last['per_task'],
-                  episodes=sum(h['sampled'] for h in history if 'sampled' in h))
+    cmp = arl.compare_evaluations(first, last)
+    record = dict(
+        seed=seed, seconds=round(seconds, 1),
+        curve=[[h['step'], h['heldout']['pass_rate']] for h in evals],
+        final_pass_rate=last['pass_rate'], final_interval=last['interval'],
+        final_greedy=last['greedy'], final_pass_at_8=last['pass_at_k'][7],
+        gain=cmp['diff'], gain_interval=cmp['interval'],
+        greedy_gain=cmp['greedy_diff'], greedy_gain_interval=cmp['greedy_interval'],
+        family_gain={f: dict(diff=v['diff'], interval=v['interval'])
+                     for f, v in cmp['per_family'].items()},
+        final_per_family=last['per_family'], final_per_task=last['per_task'],
+        final_greedy_per_task=last['greedy_per_task'],
+        episodes=sum(h['sampled'] for h in history if 'sampled' in h))
     return first, record
 
 
-def summarise(runs):
-    """Seed mean and spread of a setting's gains."""
+def summarise(runs, base_eval):
+    """A setting's seeds: mean and spread of their gains, and the gain of their seed-mean
+    per-task rates over the base with its paired 95% interval."""
     gains = torch.tensor([r['gain'] for r in runs], dtype=torch.float64)
-    return dict(mean_gain=gains.mean().item(),
+    mean = seed_mean([dict(per_task=r['final_per_task'],
+                           greedy_per_task=r['final_greedy_per_task'],
+                           family_of=base_eval['family_of']) for r in runs])
+    cmp = arl.compare_evaluations(base_eval, mean)
+    return dict(mean_gain=gains.mean().item(), mean_gain_interval=cmp['interval'],
                 seed_std=gains.std().item() if len(gains) > 1 else float('nan'),
                 min_gain=gains.min().item(), max_gain=gains.max().item(),
-                mean_paired_se=sum(r['gain_se'] for r in runs) / len(runs))
+                greedy_gain=cmp['greedy_diff'], greedy_gain_interval=cmp['greedy_interval'],
+                family_gain={f: dict(diff=v['diff'], interval=v['interval'])
+                             for f, v in cmp['per_family'].items()})
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--steps', type=int, default=60)
-    parser.add_argument('--seeds', type=int, nargs='+', default=[0, 1, 2])
+    parser.add_argument('--seeds', type=int, nargs='+', default=[0, 1, 2, 3])
     parser.add_argument('--settings', nargs='+', default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument('--out', default=str(REPO / 'chapters' / '07_rl_loop' / 'sweep.json'))
     args = parser.parse_args(argv)
@@ -100,7 +119,7 @@ def main(argv=None):
         started=datetime.datetime.now().isoformat(timespec='seconds'),
         steps=args.steps, seeds=args.seeds, eval_every=EVAL_EVERY, eval_n=EVAL_N,
         heldout_tasks=len(heldout_tasks), rl_base=arl.rl_base_path(tok).name,
-        torch=torch.__version__, machine=platform.machine(),
+        code_hash=arl.code_hash(), torch=torch.__version__, machine=platform.machine(),
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
         settings={})
     for name in args.settings:
@@ -109,16 +128,19 @@ def main(argv=None):
             first, record = run(base, tok, train_tasks, heldout_tasks, SETTINGS[name], seed,
                                 args.steps)
             # the step-0 evaluation is the base with the same random stream in every run
-            base_eval = dict(pass_rate=first['pass_rate'], stderr=first['stderr'],
-                             per_family=first['per_family'], per_task=first['per_task'])
+            base_eval = dict(pass_rate=first['pass_rate'], interval=first['interval'],
+                             greedy=first['greedy'], pass_at_8=first['pass_at_k'][7],
+                             per_family=first['per_family'], per_task=first['per_task'],
+                             greedy_per_task=first['greedy_per_task'],
+                             family_of=first['family_of'])
             if result.setdefault('base', base_eval) != base_eval:
                 raise RuntimeError('the base evaluation differs between runs')
             runs.append(record)
+            lo, hi = record['gain_interval']
             print(f"{name:<24} seed {seed}: gain {record['gain']:+.3f} "
-                  f"(paired SE {record['gain_se']:.3f}) in {record['seconds']:.0f} s",
-                  flush=True)
+                  f"[{lo:+.3f}, {hi:+.3f}] in {record['seconds']:.0f} s", flush=True)
         result['settings'][name] = dict(changes=SETTINGS[name], runs=runs,
-                                        summary=summarise(runs))
+                                        summary=summarise(runs, result['base']))
     result['finished'] = datetime.datetime.now().isoformat(timespec='seconds')
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

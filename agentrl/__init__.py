@@ -14,12 +14,13 @@ from .sft import *  # noqa: F401,F403
 from .policy_gradient import *  # noqa: F401,F403
 from .rl_loop import *  # noqa: F401,F403
 from .off_policy import *  # noqa: F401,F403
+from .rewards import *  # noqa: F401,F403
 from .evaluation import *  # noqa: F401,F403
 from .scaling import *  # noqa: F401,F403
 from .wal_rollout import *  # noqa: F401,F403
 
 __version__ = '0.1.0'
 
-_MODULES = ('introduction', 'tasks', 'model', 'sampling', 'sft', 'policy_gradient', 'rl_loop', 'off_policy', 'evaluation', 'scaling', 'wal_rollout')
+_MODULES = ('introduction', 'tasks', 'model', 'sampling', 'sft', 'policy_gradient', 'rl_loop', 'off_policy', 'rewards', 'evaluation', 'scaling', 'wal_rollout')
 __all__ = list(dict.fromkeys(  # a name redefined by a later chapter appears once
     name for m in _MODULES for name in _module(f'.{m}', __name__).__all__))

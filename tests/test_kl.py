@@ -1,0 +1,249 @@
+"""Tests for agentrl/kl.py (chapter 9): KL estimators, KLConfig, the redefined rl_update."""
+import copy
+import math
+
+import pytest
+import torch
+
+import agentrl as arl
+from agentrl import rl_loop
+
+
+@pytest.fixture(scope='module')
+def setup():
+    tasks = arl.make_tasks('train')[:12]
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+    torch.manual_seed(0)
+    model = arl.TinyAgent(len(tok), d_model=32, n_layers=1, n_heads=2)
+    return tasks, tok, model
+
+
+def _informative(monkeypatch):
+    """A random model never succeeds: rescore rewards so every group trains."""
+    real = arl.sample_groups
+
+    def informative(*args):
+        trajs = real(*args)
+        for i, t in enumerate(trajs):
+            t.reward = float(i % 3 == 0)
+        return trajs
+
+    monkeypatch.setattr(arl, 'sample_groups', informative)
+
+
+def _batch(setup, seed=0, n_tasks=4):
+    tasks, tok, model = setup
+    cfg = arl.RLConfig(group_size=4, max_turns=3)
+    trajs = arl.sample_groups(model, lambda: arl.make_env(cfg), tasks[:n_tasks], tok, cfg,
+                              torch.Generator().manual_seed(seed))
+    for i, t in enumerate(trajs):
+        t.reward = float(i % 3 == 0)
+    batch = arl.collate(trajs, tok.pad_id)
+    return batch, arl.compute_advantages(batch, cfg)
+
+
+def _perturb(model, scale, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+# --- estimators ---------------------------------------------------------------------
+
+def test_estimators_match_their_closed_forms():
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+    ref = torch.tensor([[-1.5, -1.0], [-0.5, -4.0]])
+    log_r = ref - logp
+    assert torch.allclose(arl.kl_estimate(logp, ref, 'k1'), logp - ref)
+    assert torch.allclose(arl.kl_estimate(logp, ref, 'k2'), 0.5 * log_r ** 2)
+    assert torch.allclose(arl.kl_estimate(logp, ref), log_r.exp() - 1 - log_r)
+    assert arl.kl_estimate(logp, ref).shape == logp.shape
+    # k2 and k3 are >= 0 everywhere; all three are 0 where pi == pi_ref
+    for est in ('k2', 'k3'):
+        assert (arl.kl_estimate(logp, ref, est) >= 0).all()
+    assert arl.kl_estimate(logp, logp, 'k1').abs().max() == 0
+
+
+def test_k1_and_k3_are_unbiased_and_k2_is_not_on_a_categorical():
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(20, generator=g), 0)
+    q = torch.softmax(torch.randn(20, generator=g), 0)
+    true = (p * (p / q).log()).sum()
+    # exact expectations under p, no sampling
+    logp, logq = p.log(), q.log()
+    mean = {e: (p * arl.kl_estimate(logp, logq, e)).sum() for e in ('k1', 'k2', 'k3')}
+    assert mean['k1'] == pytest.approx(true.item(), rel=1e-5)
+    assert mean['k3'] == pytest.approx(true.item(), rel=1e-5)
+    assert abs(mean['k2'] - true) > 1e-3 * true
+
+
+def test_kl_estimate_rejects_bad_input():
+    x = torch.zeros(3)
+    with pytest.raises(ValueError, match='estimator'):
+        arl.kl_estimate(x, x, 'k4')
+    with pytest.raises(ValueError, match='ref_logp'):
+        arl.kl_estimate(x, torch.zeros(4))
+
+
+def test_token_entropy():
+    logits = torch.zeros(2, 5, 8)
+    assert torch.allclose(arl.token_entropy(logits), torch.full((2, 5), math.log(8)))
+    peaked = torch.tensor([[100.0, 0.0, 0.0]])
+    assert arl.token_entropy(peaked).item() == pytest.approx(0.0, abs=1e-6)
+
+
+# --- config -------------------------------------------------------------------------
+
+def test_klconfig_validates_its_fields_and_the_parents():
+    cfg = arl.KLConfig(kl_coef=0.1, kl_estimator='k2', kl_mode='reward', entropy_coef=0.01)
+    assert isinstance(cfg, arl.RLConfig) and cfg.group_size == arl.RLConfig().group_size
+    for bad, name in ((dict(kl_coef=-1.0), 'kl_coef'), (dict(kl_estimator='k5'), 'kl_estimator'),
+                      (dict(kl_mode='both'), 'kl_mode'), (dict(entropy_coef=-0.1), 'entropy_coef'),
+                      (dict(kl_coef=float('nan')), 'kl_coef'), (dict(lr_schedule='cos'), 'lr_schedule')):
+        with pytest.raises(ValueError, match=name):
+            arl.KLConfig(**bad)
+
+
+# --- rl_update ----------------------------------------------------------------------
+
+def test_update_without_penalty_is_chapter_7_bit_for_bit(monkeypatch, setup):
+    tasks, tok, model = setup
+    _informative(monkeypatch)
+    cfg7 = arl.RLConfig(seed=3, tasks_per_step=4, group_size=4, max_turns=3)
+    cfg9 = arl.KLConfig(seed=3, tasks_per_step=4, group_size=4, max_turns=3)
+    ref = copy.deepcopy(model)
+    monkeypatch.setattr(arl, 'rl_update', rl_loop.rl_update)
+    a = copy.deepcopy(model)
+    ha = rl_loop.train_rl(a, tasks, tok, cfg7, 3, progress=False)
+    monkeypatch.undo()
+    _informative(monkeypatch)
+    assert arl.rl_update.__module__ == 'agentrl.kl'
+    for cfg, ref_model in ((cfg7, None), (cfg9, ref)):     # plain and KLConfig, with a ref
+        b = copy.deepcopy(model)
+        hb = rl_loop.train_rl(b, tasks, tok, cfg, 3, ref_model=ref_model, progress=False)
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb)
+        assert [h['kept'] for h in hb] == [16, 16, 16]
+        assert [h['loss'] for h in ha] == [h['loss'] for h in hb]
+        assert [h['grad_norm'] for h in ha] == [h['grad_norm'] for h in hb]
+        assert [h['clip_frac'] for h in ha] == [h['clip_frac'] for h in hb]
+    assert ha[0]['grad_norm'] > 0
+    assert any(p.ne(q).any() for p, q in zip(a.parameters(), model.parameters()))
+
+
+def test_stats_keys_and_values(setup):
+    tasks, tok, model = setup
+    batch, adv = _batch(setup)
+    mask = batch['action_mask'].bool()
+    m, ref = copy.deepcopy(model), copy.deepcopy(model)
+    _perturb(ref, 0.05)                         # make the reference differ from the policy
+    with torch.no_grad():
+        logits = model(batch['ids'])
+        logp = arl.selected_log_probs(logits[:, :-1], batch['ids'][:, 1:])
+        ref_logp = arl.sequence_log_probs(ref, batch['ids'])
+    want_entropy = arl.token_entropy(logits[:, :-1])[mask].mean().item()
+    want_kl = arl.kl_estimate(logp, ref_logp)[mask].mean().item()
+    cfg = arl.KLConfig(epochs=2, micro_batch_size=5)
+    stats = arl.rl_update(m, torch.optim.Adam(m.parameters(), lr=1e-2), batch, adv, cfg,
+                          ref_model=ref, generator=torch.Generator().manual_seed(0))
+    assert set(stats) >= {'update_tokens', 'loss', 'grad_norm', 'clip_frac', 'entropy',
+                          'kl_ref', 'ratio_min', 'ratio_max'}
+    assert stats['entropy'] == pytest.approx(want_entropy, rel=1e-5)
+    assert stats['kl_ref'] == pytest.approx(want_kl, rel=1e-4) and want_kl > 0
+    # the second epoch sees the model after one Adam step: ratios move away from 1
+    assert stats['ratio_min'] < 1 < stats['ratio_max']
+    one = arl.rl_update(copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0),
+                        batch, adv, arl.RLConfig(epochs=1))
+    assert one['ratio_min'] == one['ratio_max'] == 1.0 and 'kl_ref' not in one
+
+
+def test_kl_penalty_needs_a_reference(setup):
+    batch, adv = _batch(setup)
+    m = copy.deepcopy(setup[2])
+    with pytest.raises(ValueError, match='ref_model'):
+        arl.rl_update(m, torch.optim.SGD(m.parameters(), lr=0.1), batch, adv,
+                      arl.KLConfig(kl_coef=0.1))
+
+
+@pytest.mark.parametrize('estimator,mode', [('k3', 'loss'), ('k2', 'loss'),
+                                            ('k1', 'reward')])
+def test_kl_penalty_moves_the_policy_toward_the_reference(setup, estimator, mode):
+    """With zero advantages only the penalty acts: a few steps must bring the policy's
+    exact per-token KL to the reference down."""
+    tasks, tok, model = setup
+    batch, _ = _batch(setup)
+    zero = torch.zeros(len(batch['ids']))
+    ref = copy.deepcopy(model)
+    m = copy.deepcopy(model)
+    _perturb(m, 0.1)
+    mask = batch['action_mask'].bool()
+
+    def exact_kl(policy):
+        with torch.no_grad():
+            lp = torch.log_softmax(policy(batch['ids'])[:, :-1].float(), -1)
+            lq = torch.log_softmax(ref(batch['ids'])[:, :-1].float(), -1)
+            return (lp.exp() * (lp - lq)).sum(-1)[mask].mean().item()
+
+    before = exact_kl(m)
+    cfg = arl.KLConfig(kl_coef=1.0, kl_estimator=estimator, kl_mode=mode, epochs=1,
+                       scale_rewards=False)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    for _ in range(20):
+        stats = arl.rl_update(m, opt, batch, zero, cfg, ref_model=ref)
+    after = exact_kl(m)
+    assert before > 0 and after < 0.5 * before, (before, after)
+    # the penalty leaves the reference untouched
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_k1_as_a_loss_gives_no_gradient_in_expectation_but_reward_mode_does(setup):
+    """On-policy (first epoch) with zero advantages: the k1 loss's gradient is
+    sum grad log pi over sampled tokens / n; k1 in the reward gives a nonzero one."""
+    tasks, tok, model = setup
+    batch, _ = _batch(setup)
+    zero = torch.zeros(len(batch['ids']))
+    ref = copy.deepcopy(model)
+    m = copy.deepcopy(model)
+    _perturb(m, 0.1)
+    grads = {}
+    for mode in ('loss', 'reward'):
+        mm = copy.deepcopy(m)
+        opt = torch.optim.SGD(mm.parameters(), lr=0.0)
+        arl.rl_update(mm, opt, batch, zero, arl.KLConfig(kl_coef=1.0, kl_estimator='k1',
+                      kl_mode=mode, epochs=1), ref_model=ref)
+        grads[mode] = torch.cat([p.grad.flatten() for p in mm.parameters()])
+    # k1 as a loss: d/dtheta (log pi - log ref) = d log pi, independent of the reference
+    mm = copy.deepcopy(m)
+    mm.zero_grad()
+    mask = batch['action_mask']
+    logp = arl.sequence_log_probs(mm, batch['ids'])
+    ((logp * mask).sum() / mask.sum()).backward()
+    score = torch.cat([p.grad.flatten() for p in mm.parameters()])
+    assert torch.allclose(grads['loss'], score, atol=1e-6, rtol=1e-4)
+    assert not torch.allclose(grads['reward'], score, atol=1e-4)
+
+
+def test_entropy_bonus_raises_entropy(setup):
+    tasks, tok, model = setup
+    batch, _ = _batch(setup)
+    zero = torch.zeros(len(batch['ids']))
+    m = copy.deepcopy(model)
+    cfg = arl.KLConfig(entropy_coef=1.0, epochs=1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    first = arl.rl_update(m, opt, batch, zero, cfg)['entropy']
+    for _ in range(5):
+        last = arl.rl_update(m, opt, batch, zero, cfg)['entropy']
+    assert last > first
+
+
+def test_empty_batch_trains_nothing(setup):
+    tok, model = setup[1], setup[2]
+    empty = arl.collate([], tok.pad_id)
+    m = copy.deepcopy(model)
+    stats = arl.rl_update(m, torch.optim.SGD(m.parameters(), lr=1.0), empty,
+                          torch.zeros(0), arl.KLConfig(kl_coef=0.1), ref_model=model)
+    assert stats['update_tokens'] == 0
+    for p, q in zip(m.parameters(), model.parameters()):
+        assert torch.equal(p, q)

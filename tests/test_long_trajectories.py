@@ -1,0 +1,405 @@
+"""Tests for agentrl/long_trajectories.py (chapter 19): the trajectory store, dispatch on
+metadata, the shared-memory loader, and the vectorised write-ahead-log reader/writer."""
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from crc32c import crc32c
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import agentrl as arl
+
+D = 3
+PER_TOKEN = 4 + 4 + 1 + 2 * D
+
+
+def make_store(root, lengths=(700, 1500, 64), d=D):
+    store = arl.TrajectoryStore(root, d=d)
+    trajs = []
+    for i, n in enumerate(lengths):
+        t = arl.synthetic_trajectory(n, d, seed=i, prompt=f'prompt {i}')
+        store.append(t)
+        trajs.append(t)
+    return store, trajs
+
+
+# --- the store -------------------------------------------------------------------
+
+def test_store_round_trip_and_metadata(tmp_path):
+    store, trajs = make_store(tmp_path)
+    meta = store.metadata()
+    assert meta['id'].to_pylist() == [0, 1, 2]
+    assert meta['length'].to_pylist() == [700, 1500, 64]
+    assert meta['prompt'].to_pylist() == ['prompt 0', 'prompt 1', 'prompt 2']
+    assert meta['reward'].to_pylist() == [t['reward'] for t in trajs]
+    assert meta['status'].to_pylist() == [t['status'] for t in trajs]
+    views = store.read([2, 0, 1])
+    for v, t in zip(views, [trajs[2], trajs[0], trajs[1]]):
+        for f in arl.HEAVY_FIELDS:
+            assert v[f].dtype == arl.HEAVY_DTYPES[f]
+            assert np.array_equal(v[f], np.asarray(t[f]).astype(arl.HEAVY_DTYPES[f]))
+    # a second store object on the same folder sees the same and appends after it
+    again = arl.TrajectoryStore(tmp_path, d=D)
+    assert again.metadata().equals(meta)
+    assert again.append(trajs[0]) == 3
+    assert again.metadata()['id'].to_pylist() == [0, 1, 2, 3]
+
+
+def test_range_reads_and_counters(tmp_path):
+    store, trajs = make_store(tmp_path)
+    store.counters.update(heavy_bytes=0, heavy_pages=0, heavy_opens=0)
+    (a, b) = store.read([1, 1], ['logp', 'hidden'], [(100, 1100), (1499, 1500)])
+    assert np.array_equal(a['logp'], trajs[1]['logp'][100:1100])
+    assert np.array_equal(b['hidden'], trajs[1]['hidden'][1499:1500])
+    assert a['hidden'].shape == (1000, D) and set(a) == {'logp', 'hidden'}
+    assert store.counters['heavy_bytes'] == 1001 * (4 + 2 * D)
+    assert store.counters['heavy_opens'] == 1                # opened once per call
+    pages = store.counters['heavy_pages']
+    assert store.counters['heavy_bytes'] <= pages <= (store.counters['heavy_bytes']
+                                                      + 4 * 2 * arl.PAGE_SIZE)
+    assert pages % arl.PAGE_SIZE == 0
+    assert not a['logp'].flags.writeable                       # a view of the file
+
+
+def test_metadata_and_dispatch_read_no_heavy_byte(tmp_path):
+    make_store(tmp_path)
+    shutil.rmtree(tmp_path / 'heavy')                          # nothing heavy to read
+    store = arl.TrajectoryStore(tmp_path, d=D)
+    plan = arl.dispatch(store.metadata(), 256, 1024, seed=0)
+    assert store.counters['heavy_bytes'] == store.counters['heavy_opens'] == 0
+    assert store.counters['metadata_bytes'] > 0
+    with pytest.raises(ValueError, match='trajectory 0: its heavy file .*missing'):
+        store.read([0])
+    assert sum(b['tokens'] for b in plan) == 700 + 1500 + 64
+
+
+def test_missing_or_truncated_heavy_file_names_file_and_trajectory(tmp_path):
+    store, _ = make_store(tmp_path)
+    path = tmp_path / 'heavy' / '00000001.arrow'
+    with open(path, 'r+b') as f:
+        f.truncate(path.stat().st_size - 100)
+    with pytest.raises(ValueError, match=r'trajectory 1: .*00000001\.arrow.*truncated'):
+        store.read([1])
+    store.read([0])                                            # the others still work
+    path.unlink()
+    with pytest.raises(ValueError, match=r'trajectory 1: .*00000001\.arrow is missing'):
+        store.read([1])
+    # same size but not an Arrow file: a clear error too
+    p2 = tmp_path / 'heavy' / '00000002.arrow'
+    p2.write_bytes(bytes(p2.stat().st_size))
+    with pytest.raises(ValueError, match='trajectory 2: .*cannot be read'):
+        store.read([2])
+
+
+def test_store_rejects_bad_input(tmp_path):
+    store, trajs = make_store(tmp_path)
+    with pytest.raises(ValueError, match='fields'):
+        store.read([0], ['tokens', 'nope'])
+    with pytest.raises(ValueError, match='ranges'):
+        store.read([0], ranges=[(5, 5)])
+    with pytest.raises(ValueError, match='ranges'):
+        store.read([0], ranges=[(0, 701)])
+    with pytest.raises(ValueError, match='ranges'):
+        store.read([0, 1], ranges=[(0, 1)])
+    with pytest.raises(ValueError, match='ids: trajectory 9'):
+        store.read([9])
+    bad = dict(trajs[0], hidden=np.zeros((700, D + 1)))
+    with pytest.raises(ValueError, match='hidden'):
+        store.append(bad)
+    with pytest.raises(ValueError, match='missing the fields'):
+        store.append({'tokens': [1, 2]})
+    with pytest.raises(ValueError, match='d must be'):
+        arl.TrajectoryStore(tmp_path / 'x', d=0)
+
+
+def test_synthetic_trajectory():
+    t = arl.synthetic_trajectory(5000, 2, seed=7)
+    assert len(t['tokens']) == len(t['mask']) == len(t['logp']) == 5000
+    assert t['hidden'].shape == (5000, 2) and t['hidden'].dtype == np.float16
+    assert ((t['logp'] < 0) == (t['mask'] == 1)).all()         # sampled tokens only
+    assert 0 < t['mask'].mean() < 1 and t['tokens'].max() < 52
+    again = arl.synthetic_trajectory(5000, 2, seed=7)
+    assert all(np.array_equal(t[f], again[f]) for f in arl.HEAVY_FIELDS)
+    with pytest.raises(ValueError, match='n_tokens'):
+        arl.synthetic_trajectory(0)
+
+
+# --- dispatch --------------------------------------------------------------------
+
+def test_dispatch_plans_every_token_once_within_budget(tmp_path):
+    store, _ = make_store(tmp_path)
+    meta = store.metadata()
+    plan = arl.dispatch(meta, 256, 1024, world_size=2, seed=3)
+    seg = np.concatenate([b['segments'] for b in plan])
+    covered = {t: np.zeros(n, int) for t, n in enumerate([700, 1500, 64])}
+    for t, a, b in seg:
+        covered[t][a:b] += 1
+    assert all((c == 1).all() for c in covered.values())
+    for b in plan:
+        lens = b['segments'][:, 2] - b['segments'][:, 1]
+        assert len(lens) * lens.max() <= 1024                  # the padded budget
+        assert b['tokens'] == lens.sum()
+        assert list(b['rank']) == [j % 2 for j in range(len(lens))]
+        offsets = sorted(off for off, _ in b['layout'].values())
+        assert all(o % arl.PAGE_SIZE == 0 for o in offsets)
+        end = 0
+        for f in arl.HEAVY_FIELDS:                             # no two fields overlap
+            off, (n, w) = b['layout'][f]
+            assert off >= end and n == b['tokens']
+            end = off + n * w * arl.HEAVY_DTYPES[f].itemsize
+        assert end <= b['nbytes']
+    same = arl.dispatch(meta, 256, 1024, world_size=2, seed=3)
+    other = arl.dispatch(meta, 256, 1024, world_size=2, seed=4)
+    key = lambda p: np.concatenate([b['segments'] for b in p]).tolist()
+    assert key(same) == key(plan) and key(other) != key(plan)
+    with pytest.raises(ValueError, match='segment_tokens'):
+        arl.dispatch(meta, 0, 1024)
+
+
+def test_fill_batch_copies_exactly_the_ranges(tmp_path):
+    store, trajs = make_store(tmp_path)
+    (batch,) = arl.dispatch(store.metadata(), 100, 400, seed=0)[:1]
+    buf = bytearray(batch['nbytes'])
+    views = arl.batch_views(buf, batch)
+    read = arl.fill_batch(store, batch, views)
+    assert read == batch['tokens'] * PER_TOKEN
+    for sl, (t, a, b) in zip(arl.segment_slices(batch), batch['segments']):
+        for f in arl.HEAVY_FIELDS:
+            want = np.asarray(trajs[t][f]).astype(arl.HEAVY_DTYPES[f])[a:b]
+            assert np.array_equal(views[f][sl], want)
+
+
+# --- the loader ------------------------------------------------------------------
+
+def _shm_names():
+    """The loader's shared-memory segments that exist now (theirs start 'arl')."""
+    if not os.path.isdir('/dev/shm'):
+        return set()
+    return {n for n in os.listdir('/dev/shm') if n.startswith('arl')}
+
+
+@pytest.mark.skipif(not Path('/proc/self/smaps_rollup').exists(),
+                    reason='needs Linux /proc/<pid>/smaps_rollup')
+def test_loader_releases_and_matches_naive(tmp_path):
+    store, _ = make_store(tmp_path, lengths=(3000, 2000, 2500))
+    plan = arl.dispatch(store.metadata(), 500, 2000, seed=0)
+    before = _shm_names()
+    out = arl.run_loader(tmp_path, D, [dict(plan=plan), dict(plan=plan, naive=True),
+                                       dict(plan=plan)], prefetch=True)
+    assert _shm_names() - before == set()                      # every segment unlinked
+    shared, naive, again = out
+    results = [s['results'] for s in shared['steps']]
+    assert results == [s['results'] for s in naive['steps']]   # the same bytes
+    assert results == [s['results'] for s in again['steps']]   # deterministic
+    for s, b in zip(shared['steps'], plan):
+        assert s['worker_bytes'] == b['tokens'] * PER_TOKEN
+        assert s['rank_bytes'] == [0, 0]                       # ranks read only views
+        digests = [arl.segment_digest(arl.batch_views(_fill(store, b), b), b, j)
+                   for j in range(len(b['segments']))]
+        assert s['results'] == [digests, digests]              # both ranks saw it all
+    # the naive ranks read whole trajectories, each the first time it needs one
+    assert sum(sum(s['rank_bytes']) for s in naive['steps']) == \
+        2 * (3000 + 2000 + 2500) * PER_TOKEN
+    with pytest.raises(ValueError, match='consume'):
+        arl.run_loader(tmp_path, D, [], consume='eat')
+
+
+def _fill(store, batch):
+    buf = bytearray(batch['nbytes'])
+    arl.fill_batch(store, batch, arl.batch_views(buf, batch))
+    return buf
+
+
+def test_packed_segment_loss_splits_over_ranks(tmp_path):
+    store, _ = make_store(tmp_path, lengths=(400, 300))
+    (batch,) = arl.dispatch(store.metadata(), 64, 512, seed=0)[:1]
+    views = arl.batch_views(_fill(store, batch), batch)
+    torch.manual_seed(0)
+    model = arl.TinyAgent(52, d_model=16, n_layers=1, n_heads=2)
+    parts = [arl.packed_segment_loss(model, views, batch, r, 128) for r in (0, 1)]
+    alone = dict(batch, rank=np.zeros(len(batch['segments']), int))
+    whole = arl.packed_segment_loss(model, views, alone, 0, 128)
+    assert torch.isfinite(whole) and whole.ndim == 0
+    assert torch.allclose(parts[0] + parts[1], whole, atol=1e-6)
+    assert arl.packed_segment_loss(model, views, alone, 1, 128).item() == 0.0
+
+
+def test_smaps_rollup():
+    if not Path('/proc/self/smaps_rollup').exists():
+        pytest.skip('needs Linux')
+    m = arl.smaps_rollup()
+    assert set(m) == set(arl.SMAPS_FIELDS) and 0 < m['Pss'] <= m['Rss']
+    assert arl.memory_of([os.getpid()])['Rss'] > 0
+    big = np.ones(64 * 2**20 // 8)                  # touch 64 MB of private memory
+    assert arl.smaps_rollup()['Pss'] - m['Pss'] > 60 * 2**20
+    del big
+
+
+# --- the vectorised write-ahead log ------------------------------------------------
+
+@pytest.mark.parametrize('n', [1, 2, 11, 17, 19, 20, 61])
+def test_crc32c_rows(n):
+    g = np.random.default_rng(n)
+    rows = g.integers(0, 256, (50, n + 8), dtype=np.uint8)
+    want = [crc32c(r[:n].tobytes()) for r in rows]
+    assert arl.crc32c_rows(rows, n).tolist() == want
+    with pytest.raises(ValueError, match='rows'):
+        arl.crc32c_rows(rows[:, :n - 1] if n > 1 else rows[:, :0], n)
+
+
+def test_encode_token_records_matches_encode_record():
+    g = np.random.default_rng(0)
+    rid, pos, tok = (g.integers(0, 2**32, 40, dtype=np.uint64) for _ in range(3))
+    lp = -g.random(40).astype(np.float32)
+    rows = arl.encode_token_records(rid, pos, tok, lp)
+    for k in range(40):
+        want = arl.encode_record(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(
+            int(rid[k]), int(pos[k]), int(tok[k]), float(lp[k])))
+        assert rows[k].tobytes() == want
+
+
+def write_log(path, seed=0, n_requests=6, n_tokens=500, finish=True):
+    """A log with every record type, over several blocks, in lockstep order."""
+    g = np.random.default_rng(seed)
+    w = arl.WalWriter(path, 'os')
+    w.append(arl.REC_META, json.dumps(dict(seed=seed, note='x' * 50)).encode())
+    for r in range(n_requests):
+        w.append(arl.REC_START, arl.START_PAYLOAD.pack(r, 100 + r))
+    for p in range(n_tokens):
+        for r in range(n_requests):
+            if g.random() < 0.3:
+                w.append(arl.REC_FORCED, arl.FORCED_PAYLOAD.pack(r, p, int(g.integers(52))))
+            else:
+                w.append(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(
+                    r, p, int(g.integers(52)), float(-g.random())))
+    if finish:
+        for r in range(n_requests - 1):
+            w.append(arl.REC_FINISH, arl.FINISH_PAYLOAD.pack(r, n_tokens, 1.0, 1, 3))
+    w.close()
+    return Path(path).read_bytes()
+
+
+def assert_same(data):
+    records, report = arl.scan_log(data)
+    table, fast_report = arl.scan_log_fast(data)
+    assert fast_report == report
+    assert table.records() == records
+    slow = arl.replay_records(records, report)
+    fast = arl.replay_records_fast(table, fast_report)
+    assert fast == slow
+    assert list(fast.requests) == list(slow.requests)          # same insertion order
+
+
+def test_fast_reader_equals_chapter_18_on_clean_and_torn_logs(tmp_path):
+    data = write_log(tmp_path / 'a.wal')
+    assert len(data) > 2 * arl.WAL_BLOCK_SIZE
+    assert_same(data)
+    assert_same(b'')
+    for cut in list(range(0, 200, 7)) + list(range(len(data) - 300, len(data))) + [
+            arl.WAL_BLOCK_SIZE, arl.WAL_BLOCK_SIZE + 3, 2 * arl.WAL_BLOCK_SIZE - 2]:
+        assert_same(data[:cut])
+
+
+def test_fast_reader_on_irregular_records(tmp_path):
+    """Records with good checksums but odd content: duplicates, orphans, conflicts,
+    wrong sizes, unknown types, a bad outcome code, a finish with the wrong length."""
+    w = arl.WalWriter(tmp_path / 'b.wal', 'os')
+    rec = lambda t, p: w.append(t, p)
+    rec(arl.REC_META, b'not json')
+    rec(arl.REC_META, json.dumps({'a': 1}).encode())
+    rec(arl.REC_START, arl.START_PAYLOAD.pack(0, 5))
+    rec(arl.REC_START, arl.START_PAYLOAD.pack(0, 6))              # duplicate start
+    rec(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(1, 0, 3, -1.0))     # orphan: no start
+    rec(arl.REC_START, arl.START_PAYLOAD.pack(1, 7))
+    rec(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(0, 0, 3, -1.0))
+    rec(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(0, 0, 4, -1.0))     # conflict
+    rec(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(0, 2, 4, -1.0))     # gap: orphan
+    rec(arl.REC_TOKEN, b'\x00' * 5)                               # wrong size
+    rec(9, b'abc')                                                # unknown type
+    rec(arl.REC_START, arl.START_PAYLOAD.pack(2, 8))
+    rec(arl.REC_FORCED, arl.FORCED_PAYLOAD.pack(2, 0, 1))
+    rec(arl.REC_FINISH, arl.FINISH_PAYLOAD.pack(2, 1, 0.5, 9, 1))   # bad outcome
+    rec(arl.REC_START, arl.START_PAYLOAD.pack(3, 9))
+    rec(arl.REC_FINISH, arl.FINISH_PAYLOAD.pack(3, 4, 0.5, 0, 1))   # wrong length
+    rec(arl.REC_START, arl.START_PAYLOAD.pack(4, 1))
+    rec(arl.REC_FORCED, arl.FORCED_PAYLOAD.pack(4, 0, 1))
+    rec(arl.REC_FINISH, arl.FINISH_PAYLOAD.pack(4, 1, 0.5, 0, 1))   # regular
+    rec(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(4, 1, 3, -1.0))     # after its finish
+    for p in range(200):                                          # enough for tables
+        rec(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(1, p, p % 52, -0.5))
+    w.close()
+    data = (tmp_path / 'b.wal').read_bytes()
+    assert_same(data)
+    state = arl.recover_log_fast(tmp_path / 'b.wal')
+    assert state == arl.recover_log(tmp_path / 'b.wal')
+    assert state.report['malformed'] >= 3 and state.report['orphans'] >= 3
+
+
+damage = st.lists(st.tuples(st.sampled_from(['flip', 'zero', 'noise', 'copy']),
+                            st.floats(0, 1), st.integers(1, 300), st.integers(0, 7)),
+                  min_size=1, max_size=4)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=damage, cut=st.one_of(st.none(), st.floats(0, 1)), seed=st.integers(0, 3))
+def test_fast_reader_equals_chapter_18_on_random_damage(tmp_path, ops, cut, seed):
+    data = bytearray(write_log(tmp_path / f'h{seed}.wal', seed=seed, n_tokens=300))
+    for kind, where, n, bit in ops:
+        i = int(where * (len(data) - 1))
+        if kind == 'flip':
+            data[i] ^= 1 << bit
+        elif kind == 'zero':
+            data[i:i + n] = bytes(len(data[i:i + n]))
+        elif kind == 'noise':
+            g = np.random.default_rng(i + n)
+            data[i:i + n] = g.integers(0, 256, len(data[i:i + n]), np.uint8).tobytes()
+        else:                                # a stale copy of earlier bytes
+            j = max(0, i - n)
+            data[i:i + n] = data[j:j + n][:len(data[i:i + n])]
+    if cut is not None:
+        data = data[:int(cut * len(data))]
+    assert_same(bytes(data))
+
+
+def test_group_commit_writer_same_bytes_and_durable(tmp_path):
+    g = np.random.default_rng(0)
+    old = arl.WalWriter(tmp_path / 'old.wal', 'step')
+    new = arl.GroupCommitWriter(tmp_path / 'new.wal')
+    for w in (old, new):
+        w.append(arl.REC_META, b'{}')
+    for step in range(300):                          # about 4 blocks of records
+        rid = np.arange(20)
+        pos = np.full(20, step)
+        tok = g.integers(0, 52, 20)
+        lp = -g.random(20).astype(np.float32)
+        for k in range(20):
+            old.append(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(
+                int(rid[k]), step, int(tok[k]), float(lp[k])))
+        old.commit()
+        new.append_tokens(rid, pos, tok, lp)
+        if step % 50 == 0:
+            new.append(arl.REC_FINISH, arl.FINISH_PAYLOAD.pack(0, step, 1.0, 0, 1))
+            old.append(arl.REC_FINISH, arl.FINISH_PAYLOAD.pack(0, step, 1.0, 0, 1))
+            old.commit()
+        offset = new.commit()
+        assert offset == new.offset
+    assert new.wait() == new.offset == old.offset
+    assert new.syncs >= 1
+    old.close()
+    new.close()
+    assert (tmp_path / 'new.wal').read_bytes() == (tmp_path / 'old.wal').read_bytes()
+    assert arl.recover_log_fast(tmp_path / 'new.wal') == \
+        arl.recover_log(tmp_path / 'old.wal')
+    # appending to an existing log continues it
+    again = arl.GroupCommitWriter(tmp_path / 'new.wal')
+    again.append_tokens([1], [0], [2], [-0.5])
+    again.close()
+    records, report = arl.scan_log((tmp_path / 'new.wal').read_bytes())
+    assert report['corruptions'] == [] and records[-1][1] == arl.REC_TOKEN

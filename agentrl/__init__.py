@@ -14,13 +14,19 @@ from .sft import *  # noqa: F401,F403
 from .policy_gradient import *  # noqa: F401,F403
 from .rl_loop import *  # noqa: F401,F403
 from .off_policy import *  # noqa: F401,F403
+from .kl import *  # noqa: F401,F403
 from .rewards import *  # noqa: F401,F403
+from .multi_turn import *  # noqa: F401,F403
 from .evaluation import *  # noqa: F401,F403
+from .diagnostics import *  # noqa: F401,F403
 from .scaling import *  # noqa: F401,F403
+from .distillation import *  # noqa: F401,F403
+from .low_precision import *  # noqa: F401,F403
 from .wal_rollout import *  # noqa: F401,F403
+from .long_trajectories import *  # noqa: F401,F403
 
 __version__ = '0.1.0'
 
-_MODULES = ('introduction', 'tasks', 'model', 'sampling', 'sft', 'policy_gradient', 'rl_loop', 'off_policy', 'rewards', 'evaluation', 'scaling', 'wal_rollout')
+_MODULES = ('introduction', 'tasks', 'model', 'sampling', 'sft', 'policy_gradient', 'rl_loop', 'off_policy', 'kl', 'rewards', 'multi_turn', 'evaluation', 'diagnostics', 'scaling', 'distillation', 'low_precision', 'wal_rollout', 'long_trajectories')
 __all__ = list(dict.fromkeys(  # a name redefined by a later chapter appears once
     name for m in _MODULES for name in _module(f'.{m}', __name__).__all__))

@@ -165,7 +165,7 @@ PANELS = ('reward and pass rate', 'outcome shares', 'zero-advantage share',
           'ratio extremes', 'update KL', 'sampler mismatch', 'loss identity')
 
 
-_PANEL_CHECK = {'KL to the base': 'kl_ref', 'gradient norm': 'grad_norm',
+_PANEL_CHECK = {'gradient norm': 'grad_norm',
                 'clip fraction': 'clip_frac', 'update KL': 'update_kl',
                 'sampler mismatch': 'sampler_mismatch',
                 'loss identity': 'loss_identity'}
@@ -279,7 +279,6 @@ CHECKS = {
     'update_kl': 'one update moves the policy too far (KL old -> new)',
     'clip_frac': 'too many tokens clipped in the last epoch',
     'grad_norm': 'gradient norm (before clipping) too large',
-    'kl_ref': 'the policy drifts too fast from the base',
     'heldout_drop': "the held-out pass rate fell: an evaluation's 95% interval lies "
                     "below the first one's",
 }
@@ -296,8 +295,7 @@ def check_values(history):
         raise TypeError('history must be a list of dicts, got '
                         f'{type(history).__name__}')
     keys = dict(sampler_mismatch='mismatch', first_ratio='first_ratio_dev',
-                update_kl='approx_kl', clip_frac='clip_frac', grad_norm='grad_norm',
-                kl_ref='kl_ref')
+                update_kl='approx_kl', clip_frac='clip_frac', grad_norm='grad_norm')
     values = {name: [] for name in CHECKS}
     evals = [(r['step'], r['heldout']) for r in history if 'heldout' in r]
     for step, e in evals[1:]:     # how far this interval lies below the first one

@@ -201,7 +201,7 @@ def test_calibrate_is_max_plus_k_std():
     assert thr['grad_norm'] == pytest.approx(4 + 2 * std)
     assert thr['loss_identity'] == 0.0                    # exact in every step
     assert thr['heldout_drop'] == 0.0
-    assert 'kl_ref' not in thr                            # never logged
+    assert 'kl_ref' not in thr          # not a check: it drifts in healthy runs
     with pytest.raises(ValueError, match='histories'):
         arl.calibrate_checks([])
     with pytest.raises(ValueError, match='k'):
@@ -211,8 +211,7 @@ def test_calibrate_is_max_plus_k_std():
 @pytest.mark.parametrize('name, key, value', [
     ('sampler_mismatch', 'mismatch', 0.5), ('loss_identity', 'loss', 0.01),
     ('first_ratio', 'first_ratio_dev', 0.3), ('update_kl', 'approx_kl', 0.5),
-    ('clip_frac', 'clip_frac', 0.3), ('grad_norm', 'grad_norm', 5.0),
-    ('kl_ref', 'kl_ref', 1.0)])
+    ('clip_frac', 'clip_frac', 0.3), ('grad_norm', 'grad_norm', 5.0)])
 def test_each_check_fires_on_its_signature_and_only_from_its_step(name, key, value):
     thresholds = arl.calibrate_checks([_history(1), _history(2)])
     assert not any(r['fired'] for r in arl.run_checks(_history(3), thresholds)

@@ -9,15 +9,6 @@ import agentrl as arl
 from agentrl import rl_loop
 
 
-@pytest.fixture(scope='module')
-def setup():
-    tasks = arl.make_tasks('train')[:12]
-    tok = arl.build_tokenizer(arl.make_tasks('all'))
-    torch.manual_seed(0)
-    model = arl.TinyAgent(len(tok), d_model=32, n_layers=1, n_heads=2)
-    return tasks, tok, model
-
-
 def _informative(monkeypatch):
     """A random model never succeeds: rescore rewards so every group trains."""
     real = arl.sample_groups
@@ -31,8 +22,8 @@ def _informative(monkeypatch):
     monkeypatch.setattr(arl, 'sample_groups', informative)
 
 
-def _batch(setup, seed=0, n_tasks=4):
-    tasks, tok, model = setup
+def _batch(tiny_agent, seed=0, n_tasks=4):
+    tasks, tok, model = tiny_agent
     cfg = arl.RLConfig(group_size=4, max_turns=3)
     trajs = arl.sample_groups(model, lambda: arl.make_env(cfg), tasks[:n_tasks], tok, cfg,
                               torch.Generator().manual_seed(seed))
@@ -47,6 +38,15 @@ def _perturb(model, scale, seed=0):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def _drifted(tiny_agent):
+    """A batch, zero advantages, the model as reference and a perturbed copy of it."""
+    batch, _ = _batch(tiny_agent)
+    model = tiny_agent[2]
+    m = copy.deepcopy(model)
+    _perturb(m, 0.1)
+    return batch, torch.zeros(len(batch['ids'])), copy.deepcopy(model), m
 
 
 # --- estimators ---------------------------------------------------------------------
@@ -107,8 +107,8 @@ def test_klconfig_validates_its_fields_and_the_parents():
 
 # --- rl_update ----------------------------------------------------------------------
 
-def test_update_without_penalty_is_chapter_7_bit_for_bit(monkeypatch, setup):
-    tasks, tok, model = setup
+def test_update_without_penalty_is_chapter_7_bit_for_bit(monkeypatch, tiny_agent):
+    tasks, tok, model = tiny_agent
     _informative(monkeypatch)
     cfg7 = arl.RLConfig(seed=3, tasks_per_step=4, group_size=4, max_turns=3)
     cfg9 = arl.KLConfig(seed=3, tasks_per_step=4, group_size=4, max_turns=3)
@@ -132,9 +132,9 @@ def test_update_without_penalty_is_chapter_7_bit_for_bit(monkeypatch, setup):
     assert any(p.ne(q).any() for p, q in zip(a.parameters(), model.parameters()))
 
 
-def test_stats_keys_and_values(setup):
-    tasks, tok, model = setup
-    batch, adv = _batch(setup)
+def test_stats_keys_and_values(tiny_agent):
+    tasks, tok, model = tiny_agent
+    batch, adv = _batch(tiny_agent)
     mask = batch['action_mask'].bool()
     m, ref = copy.deepcopy(model), copy.deepcopy(model)
     _perturb(ref, 0.05)                         # make the reference differ from the policy
@@ -158,9 +158,9 @@ def test_stats_keys_and_values(setup):
     assert one['ratio_min'] == one['ratio_max'] == 1.0 and 'kl_ref' not in one
 
 
-def test_kl_penalty_needs_a_reference(setup):
-    batch, adv = _batch(setup)
-    m = copy.deepcopy(setup[2])
+def test_kl_penalty_needs_a_reference(tiny_agent):
+    batch, adv = _batch(tiny_agent)
+    m = copy.deepcopy(tiny_agent[2])
     with pytest.raises(ValueError, match='ref_model'):
         arl.rl_update(m, torch.optim.SGD(m.parameters(), lr=0.1), batch, adv,
                       arl.KLConfig(kl_coef=0.1))
@@ -168,15 +168,11 @@ def test_kl_penalty_needs_a_reference(setup):
 
 @pytest.mark.parametrize('estimator,mode', [('k3', 'loss'), ('k2', 'loss'),
                                             ('k1', 'reward')])
-def test_kl_penalty_moves_the_policy_toward_the_reference(setup, estimator, mode):
+def test_kl_penalty_moves_the_policy_toward_the_reference(tiny_agent, estimator, mode):
     """With zero advantages only the penalty acts: a few steps must bring the policy's
     exact per-token KL to the reference down."""
-    tasks, tok, model = setup
-    batch, _ = _batch(setup)
-    zero = torch.zeros(len(batch['ids']))
-    ref = copy.deepcopy(model)
-    m = copy.deepcopy(model)
-    _perturb(m, 0.1)
+    batch, zero, ref, m = _drifted(tiny_agent)
+    model = tiny_agent[2]
     mask = batch['action_mask'].bool()
 
     def exact_kl(policy):
@@ -198,15 +194,11 @@ def test_kl_penalty_moves_the_policy_toward_the_reference(setup, estimator, mode
         assert torch.equal(p, q)
 
 
-def test_k1_as_a_loss_gives_no_gradient_in_expectation_but_reward_mode_does(setup):
+def test_k1_as_a_loss_gives_no_gradient_in_expectation_but_reward_mode_does(tiny_agent):
     """On-policy (first epoch) with zero advantages: the k1 loss's gradient is
     sum grad log pi over sampled tokens / n; k1 in the reward gives a nonzero one."""
-    tasks, tok, model = setup
-    batch, _ = _batch(setup)
-    zero = torch.zeros(len(batch['ids']))
-    ref = copy.deepcopy(model)
-    m = copy.deepcopy(model)
-    _perturb(m, 0.1)
+    batch, zero, ref, m = _drifted(tiny_agent)
+    model = tiny_agent[2]
     grads = {}
     for mode in ('loss', 'reward'):
         mm = copy.deepcopy(m)
@@ -225,9 +217,9 @@ def test_k1_as_a_loss_gives_no_gradient_in_expectation_but_reward_mode_does(setu
     assert not torch.allclose(grads['reward'], score, atol=1e-4)
 
 
-def test_entropy_bonus_raises_entropy(setup):
-    tasks, tok, model = setup
-    batch, _ = _batch(setup)
+def test_entropy_bonus_raises_entropy(tiny_agent):
+    tasks, tok, model = tiny_agent
+    batch, _ = _batch(tiny_agent)
     zero = torch.zeros(len(batch['ids']))
     m = copy.deepcopy(model)
     cfg = arl.KLConfig(entropy_coef=1.0, epochs=1)
@@ -238,8 +230,8 @@ def test_entropy_bonus_raises_entropy(setup):
     assert last > first
 
 
-def test_empty_batch_trains_nothing(setup):
-    tok, model = setup[1], setup[2]
+def test_empty_batch_trains_nothing(tiny_agent):
+    tok, model = tiny_agent[1], tiny_agent[2]
     empty = arl.collate([], tok.pad_id)
     m = copy.deepcopy(model)
     stats = arl.rl_update(m, torch.optim.SGD(m.parameters(), lr=1.0), empty,

@@ -8,21 +8,12 @@ import agentrl as arl
 from agentrl import rl_loop
 
 
-@pytest.fixture(scope='module')
-def setup():
-    tasks = arl.make_tasks('train')[:12]
-    tok = arl.build_tokenizer(arl.make_tasks('all'))
-    torch.manual_seed(0)
-    model = arl.TinyAgent(len(tok), d_model=32, n_layers=1, n_heads=2)
-    return tasks, tok, model
-
-
 def _cfg():
     return arl.RLConfig(seed=3, tasks_per_step=4, group_size=4, max_turns=3)
 
 
-def test_train_rl_without_hooks_is_chapter_7_bit_for_bit(monkeypatch, setup):
-    tasks, tok, model = setup
+def test_train_rl_without_hooks_is_chapter_7_bit_for_bit(monkeypatch, tiny_agent):
+    tasks, tok, model = tiny_agent
     real = arl.sample_groups
 
     def informative(*args):                   # a random model never succeeds: give the
@@ -42,8 +33,8 @@ def test_train_rl_without_hooks_is_chapter_7_bit_for_bit(monkeypatch, setup):
     assert [h['reward'] for h in ha] == [h['reward'] for h in hb]
 
 
-def test_identity_transform_trains_like_no_transform(setup):
-    tasks, tok, model = setup
+def test_identity_transform_trains_like_no_transform(tiny_agent):
+    tasks, tok, model = tiny_agent
     a, b = copy.deepcopy(model), copy.deepcopy(model)
     arl.train_rl(a, tasks, tok, _cfg(), 2, progress=False)
     seen = []
@@ -54,8 +45,8 @@ def test_identity_transform_trains_like_no_transform(setup):
         assert torch.equal(pa, pb)
 
 
-def test_update_fn_replaces_rl_update(setup):
-    tasks, tok, model = setup
+def test_update_fn_replaces_rl_update(tiny_agent):
+    tasks, tok, model = tiny_agent
     calls = []
 
     def no_update(model, optimizer, batch, advantages, cfg, ref_model, gen):
@@ -93,8 +84,8 @@ def test_informative_groups_keeps_groups_with_distinct_rewards():
     assert arl.informative_groups([]) == []
 
 
-def test_train_rl_rejects_bad_hooks(setup):
-    tasks, tok, model = setup
+def test_train_rl_rejects_bad_hooks(tiny_agent):
+    tasks, tok, model = tiny_agent
     with pytest.raises(TypeError, match='transform'):
         arl.train_rl(model, tasks, tok, _cfg(), 1, transform=3)
     with pytest.raises(TypeError, match='update_fn'):
@@ -126,8 +117,8 @@ def chain_task():
                 and t.answer != arl.NONE and len(t.calls) == 2)
 
 
-def test_parse_episode_reads_calls_observations_and_answer(setup, chain_task):
-    tok = setup[1]
+def test_parse_episode_reads_calls_observations_and_answer(tiny_agent, chain_task):
+    tok = tiny_agent[1]
     t = chain_task
     actions = [f'<call>{t.calls[0]}</call>', '<call>calc 1+</call>',
                f'<call>{t.calls[1]}</call>', f'<ans>{t.answer}</ans>']
@@ -142,8 +133,8 @@ def test_parse_episode_reads_calls_observations_and_answer(setup, chain_task):
     assert arl.outcome_reward(ep, t) == traj.reward == 1.0
 
 
-def test_parse_episode_turn_limit_and_missing_answer(setup, chain_task):
-    tok = setup[1]
+def test_parse_episode_turn_limit_and_missing_answer(tiny_agent, chain_task):
+    tok = tiny_agent[1]
     traj = _scripted(chain_task, ['<call>get zz</call>'] * 3, tok, max_turns=2)
     ep = arl.parse_episode(traj, tok)
     assert ep['outcome'] == 'turn_limit' and ep['answer'] is None
@@ -231,8 +222,8 @@ def test_tool_bonus_rewards_every_call_and_the_fix_does_not(chain_task):
     assert arl.tool_bonus_fixed(one, t) == pytest.approx(1 + arl.TOOL_BONUS)
 
 
-def test_reward_transform_rescores_and_keeps_the_truth(setup, chain_task):
-    tok = setup[1]
+def test_reward_transform_rescores_and_keeps_the_truth(tiny_agent, chain_task):
+    tok = tiny_agent[1]
     t = chain_task
     trajs = [_scripted(t, [f'<ans>{t.answer}</ans>'], tok),
              _scripted(t, ['<call>get zz</call>', '<ans>1</ans>'], tok)]
@@ -253,8 +244,8 @@ def test_reward_transform_rescores_and_keeps_the_truth(setup, chain_task):
 
 # --- normalisation ---------------------------------------------------------------------
 
-def test_seq_mean_update_follows_the_seq_mean_gradient(setup):
-    tasks, tok, model = setup
+def test_seq_mean_update_follows_the_seq_mean_gradient(tiny_agent):
+    tasks, tok, model = tiny_agent
     gen = torch.Generator().manual_seed(0)
     cfg = arl.RLConfig(tasks_per_step=4, group_size=4, max_turns=3, epochs=1,
                        max_grad_norm=float('inf'), micro_batch_size=5)

@@ -22,11 +22,12 @@ from .diagnostics import *  # noqa: F401,F403
 from .scaling import *  # noqa: F401,F403
 from .distillation import *  # noqa: F401,F403
 from .low_precision import *  # noqa: F401,F403
+from .teacher_scheduling import *  # noqa: F401,F403
 from .wal_rollout import *  # noqa: F401,F403
 from .long_trajectories import *  # noqa: F401,F403
 
 __version__ = '0.1.0'
 
-_MODULES = ('introduction', 'tasks', 'model', 'sampling', 'sft', 'policy_gradient', 'rl_loop', 'off_policy', 'kl', 'rewards', 'multi_turn', 'evaluation', 'diagnostics', 'scaling', 'distillation', 'low_precision', 'wal_rollout', 'long_trajectories')
+_MODULES = ('introduction', 'tasks', 'model', 'sampling', 'sft', 'policy_gradient', 'rl_loop', 'off_policy', 'kl', 'rewards', 'multi_turn', 'evaluation', 'diagnostics', 'scaling', 'distillation', 'low_precision', 'teacher_scheduling', 'wal_rollout', 'long_trajectories')
 __all__ = list(dict.fromkeys(  # a name redefined by a later chapter appears once
     name for m in _MODULES for name in _module(f'.{m}', __name__).__all__))

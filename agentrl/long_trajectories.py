@@ -16,6 +16,9 @@ from multiprocessing import shared_memory
 import torch
 import torch.distributed as dist
 from crc32c import crc32c
+import itertools
+import select
+import struct
 import subprocess
 import sys
 
@@ -643,111 +646,137 @@ class RecordTable:
         return _gather(self.data, self.offsets + arl.RECORD_HEADER.size, width)
 
 
+# zero bytes kept after a log image, so that reading a record's first bytes (up to
+# 64 of them) near its end stays inside
+_SLACK = 64
+
+
 def _gather(d, starts, width):
     """d[starts[k]:starts[k] + width] for every k -> uint8 [N, width], zero past the
-    end of d; width a multiple of 8. Reads 8 bytes at a time through an unaligned,
-    overlapping uint64 view of d (one gather per 8 bytes, whatever N)."""
+    end of d; width a multiple of 8. One fancy index over a view of d whose items
+    are the `width` bytes at every offset (a void dtype: no alignment needed). d may
+    be a view with zero slack after it (as _scan leaves it); else it is copied."""
     if width % 8:
         raise ValueError(f'width must be a multiple of 8, got {width}')
     starts = np.asarray(starts, dtype=np.int64)
-    if len(d) < 8 + width:
-        d = np.concatenate([d, np.zeros(8 + width, np.uint8)])
-    words = np.ndarray((len(d) - 7,), '<u8', buffer=d, strides=(1,))
-    out = np.empty((len(starts), width // 8), np.uint64)
-    late = starts > len(d) - 8 - width                 # rows that reach the last bytes
-    fast = np.flatnonzero(~late) if late.any() else slice(None)
-    for i in range(width // 8):                        # one gather per column
-        out[fast, i] = words[starts[fast] + 8 * i]
-    for k in np.flatnonzero(late):
-        row = np.zeros(width, np.uint8)
-        tail = d[starts[k]:starts[k] + width]
-        row[:len(tail)] = tail
-        out[k] = row.view(np.uint64)
-    return out.view(np.uint8).reshape(len(starts), width)
+    base = d.base if isinstance(d.base, np.ndarray) else None
+    if not (base is not None and base.dtype == np.uint8 and base.ndim == 1
+            and d.ctypes.data == base.ctypes.data and len(base) >= len(d) + width
+            and not base[len(d):len(d) + width].any()):
+        base = np.concatenate([d, np.zeros(width, np.uint8)])
+    if len(starts) and (starts.min() < 0 or starts.max() > len(d)):
+        raise ValueError(f'starts must lie in 0..{len(d)}')
+    items = np.ndarray((len(base) - width + 1,), f'V{width}', buffer=base,
+                       strides=(1,))
+    return items[starts].view(np.uint8).reshape(len(starts), width)
 
 
-def scan_log_fast(data):
-    """scan_log with numpy -> (RecordTable, report), the same records and report.
+def _checksums_hold(buf, offs, lens, rows):
+    """Whether each record's stored CRC32C holds -> bool [N]. buf: the log image with
+    _SLACK zero bytes after it; offs, lens: [N] record offsets and payload lengths;
+    rows: uint8 [N, 24], the first 24 bytes of each record. Records of one length up
+    to 17 bytes are checked at once from their rows (16-bit indices into
+    crc32c_tables); longer ones with crc32c_rows, and rare lengths one by one."""
+    H = arl.RECORD_HEADER.size
+    stored = rows.view('<u4')[:, 0]                      # as written
+    ok = np.ones(len(offs), bool)
+    counts = np.bincount(lens) if len(lens) else lens
+    for n in np.flatnonzero(counts).tolist():
+        sel = np.flatnonzero(lens == n) if counts[n] < len(lens) else slice(None)
+        if counts[n] < 64 or n > 61:     # too few, or too long, to pay for the tables
+            ok[sel] = [crc32c(buf[a + 4:a + H + n].tobytes()) == c for a, c in
+                       zip(offs[sel].tolist(), stored[sel].tolist())]
+            continue
+        if n > 24 - H:                        # longer than the rows: gather more
+            width = 8 * ((n + 3 + 7) // 8)
+            crc = crc32c_rows(_gather(buf[:len(buf) - _SLACK], offs[sel] + 4, width),
+                              n + 3)
+            ok[sel] = crc == stored[sel]
+            continue
+        c0, tables = crc32c_tables(n + 3)
+        mine = rows if isinstance(sel, slice) else np.take(rows, sel, axis=0)
+        # the message is row bytes 4..: 16-bit indices from column 2 of a uint16 view,
+        # one contiguous array per table; column 2 is the length, n, for all of them
+        words = np.ascontiguousarray(mine.view('<u2')[:, 3:2 + len(tables)].T)
+        crc = np.full(len(mine), c0 ^ tables[0][n], np.uint32)
+        part = np.empty(len(mine), np.uint32)
+        for j in range(1, len(tables)):
+            np.take(tables[j], words[j - 1], out=part)
+            crc ^= part
+        ok[sel] = crc == mine.view('<u4')[:, 0]
+    return ok
 
-    Every full 32 KiB block starts with a record, so all blocks are walked in lockstep
-    (one vectorised step per run of same-length records, not per record), and the
-    checksums of all records of one length are computed at once (crc32c_rows). A block
-    with anything irregular (damage, a zero-type record) and the file's last, partial
-    block are handed to chapter 18's scan_log, which reads a block independently of
-    the others: so the result is scan_log's, and its cost is numpy's.
-    """
-    if isinstance(data, np.ndarray):
-        d = np.ascontiguousarray(data, dtype=np.uint8).ravel()
-    else:
-        d = np.frombuffer(bytes(data), dtype=np.uint8)
+
+def _scan(buf, size):
+    """scan_log_fast on buf, the log image (uint8 [size]) followed by _SLACK zeros."""
     B, H = arl.WAL_BLOCK_SIZE, arl.RECORD_HEADER.size
-    size, n_full = len(d), len(d) // B
+    n_full = size // B
+    d = buf[:size]
+    head = np.ndarray((len(buf) - 3,), '<u4', buffer=buf, strides=(1,))
     # 1. Walk the full blocks in lockstep. Each step reads the header at every block's
-    # position and the K headers that follow if the next records have the same length
-    # (runs of token records do), and accepts the run up to the first that differs.
-    K = 8
-    be = (np.arange(n_full, dtype=np.int64) + 1) * B               # block ends
-    pos = be - B
-    head = np.ndarray((max(size - 7, 0),), '<u4', buffer=d, strides=(1,))
-    last, ahead = len(head) - 1, np.arange(K)
-    steps_pos, steps_len, live = [], [], np.ones(n_full, bool)
-    while n_full and live.any():
-        word = head[np.minimum(pos + 4, last)]            # length | type | ...
+    # position and the K - 1 headers that follow if the next records have the same
+    # length and type (runs of token records do), and accepts the run up to the first
+    # that differs, or the block's end: one step per K records of a run, not per
+    # record.
+    K = 16
+    pos = np.arange(n_full, dtype=np.int64) * B
+    be = pos + B                                                  # block ends
+    ahead, far = np.arange(K), len(head) - 5
+    runs = []                                     # (position, count, length) per step
+    while n_full:
+        word = head[pos + 4]                                    # length | type | ...
         length = (word & 0xFFFF).astype(np.int64)
-        size_ = H + length
-        cand = pos[:, None] + size_[:, None] * ahead                 # [blocks, K]
-        words = head[np.minimum(cand + 4, last)]
-        same = ((words & 0xFFFF) == length[:, None]) & ((words >> 16) & 0xFF != 0)
-        same &= (cand + size_[:, None] <= be[:, None]) & live[:, None]
-        run = np.cumprod(same, axis=1, dtype=bool)                   # a prefix
-        steps_pos.append(np.where(run, cand, -1))
-        steps_len.append(np.broadcast_to(length[:, None], run.shape))
-        n = run.sum(1)
-        pos = pos + n * size_
-        live = n > 0                       # a block that accepted nothing has stopped
-    if steps_pos:
-        P = np.concatenate(steps_pos, axis=1)      # [blocks, steps x K]: file order
-        rec = P >= 0
-        offs, lens = P[rec], np.concatenate(steps_len, axis=1)[rec]
-        blk = np.repeat(np.arange(n_full), rec.sum(1))
+        fit = (be - pos) // (H + length)     # whole records of this size left in block
+        fit[(word & 0xFF0000) == 0] = 0                          # a zero type: stop
+        cand = pos[:, None] + (H + length)[:, None] * ahead          # [blocks, K]
+        ahead_words = head[np.minimum(cand, far) + 4]
+        same = (ahead_words & 0xFFFFFF) == (word & 0xFFFFFF)[:, None]
+        n = same.argmin(1)                       # the first that differs (0: none)
+        n[n == 0] = K
+        np.minimum(n, fit, out=n)
+        if not n.any():
+            break
+        runs.append((pos, n, length))
+        pos = pos + n * (H + length)
+    if runs:                # block by block, step by step: the runs in file order
+        r_pos, r_n, r_len = (np.stack(x, 1).ravel() for x in zip(*runs))
+        keep = r_n > 0
+        r_pos, r_n, r_len = r_pos[keep], r_n[keep], r_len[keep]
+        lens = np.repeat(r_len, r_n)
+        # each record starts where the one before it ends, but a run's first record
+        # starts at the run's position
+        inc = np.empty(len(lens), np.int64)
+        inc[0] = r_pos[0]
+        np.add(lens[:-1], H, out=inc[1:])
+        first = np.cumsum(r_n[:-1])
+        inc[first] = r_pos[1:] - r_pos[:-1] - (r_n[:-1] - 1) * (H + r_len[:-1])
+        offs = np.cumsum(inc)
     else:
-        blk = offs = lens = np.zeros(0, np.int64)
-    types = d[offs + 6] if len(offs) else np.zeros(0, np.uint8)
+        offs = lens = np.zeros(0, np.int64)
+    rows = _gather(d, offs, 24)             # [N, 24]: header and up to 17 bytes
+    types = rows[:, 6].copy()
     # where each block's walk stopped: its end, a trailer, padding, or damage
     room = be - pos
     dirty = np.zeros(n_full, bool)
-    pad_start = np.full(n_full, -1, np.int64)
-    at = np.flatnonzero(room >= H)
-    zero = np.array([not d[p:p + H].any() for p in pos[at]], bool)
-    dirty[at[~zero]] = True                        # a zero type, or crosses the block
-    pad_start[at[zero]] = pos[at[zero]]
-    short = (room > 0) & (room < H)
-    pad_start[short] = pos[short]
+    zero = (head[pos] == 0) & (head[pos + 3] == 0)           # 7 zero header bytes
+    dirty[(room >= H) & ~zero] = True       # a zero type, or a record crossing the end
+    pad = np.flatnonzero((room > 0) & ((room < H) | zero))
     # 2. Padding must be zeros to the end of its block.
-    for b in np.flatnonzero(pad_start >= 0):
-        if d[pad_start[b]:(b + 1) * B].any():
+    for b in pad.tolist():
+        if d[pos[b]:be[b]].any():
             dirty[b] = True
     # 3. Checksums, all records of one length at once.
-    ok = np.ones(len(offs), bool)
-    for n in np.unique(lens):
-        sel = np.flatnonzero(lens == n)
-        if len(sel) < 64 or n > 61:       # too few, or too long, to pay for the tables
-            ok[sel] = [crc32c(d[o + 4:o + H + n].tobytes()) ==
-                       int(d[o:o + 4].view('<u4')[0]) for o in offs[sel]]
-            continue
-        width = 8 * ((int(n) + 3 + 7) // 8)       # the checksummed bytes, rounded up
-        stored = head[offs[sel]] if len(head) else np.zeros(0, np.uint32)
-        ok[sel] = crc32c_rows(_gather(d, offs[sel] + 4, width), int(n) + 3) == stored
-    dirty[blk[~ok]] = True
+    ok = _checksums_hold(buf, offs, lens, rows)
+    if not ok.all():
+        dirty[offs[~ok] // B] = True
     # 4. Irregular blocks and the last partial block: chapter 18's reader.
-    clean = ~dirty[blk]
-    offs, types, lens = offs[clean], types[clean], lens[clean]
-    slow = sorted(set(np.flatnonzero(dirty).tolist())
-                  | ({n_full} if size > n_full * B else set()))
-    parts, corruptions, torn, valid_end = [(offs, types, lens)], [], 0, 0
+    slow = np.flatnonzero(dirty).tolist() + ([n_full] if size > n_full * B else [])
+    if dirty.any():
+        clean = ~dirty[offs // B]
+        offs, types, lens = offs[clean], types[clean], lens[clean]
+    parts, corruptions, torn = [(offs, types, lens)], [], 0
     ends = np.zeros(n_full + 1, np.int64)              # valid_end of each block
-    # a clean block is valid to its end
-    ends[:n_full] = (np.arange(n_full) + 1) * B
+    ends[:n_full] = be                                 # a clean block: to its end
     for b in slow:
         start = b * B
         records, rep = arl.scan_log(d[start:min(start + B, size)].tobytes())
@@ -757,108 +786,139 @@ def scan_log_fast(data):
         corruptions += [(start + o, why, skip) for o, why, skip in rep['corruptions']]
         ends[b] = start + rep['valid_end'] if rep['valid_end'] else -1
         torn = rep['torn_tail_bytes'] if b == n_full else torn
-    offs, types, lens = (np.concatenate(c) for c in zip(*parts))
-    order = np.argsort(offs, kind='stable')
+    if len(parts) > 1:
+        offs, types, lens = (np.concatenate(c) for c in zip(*parts))
+        if slow != [n_full]:          # else the last block's records come last already
+            order = np.argsort(offs, kind='stable')
+            offs, types, lens = offs[order], types[order], lens[order]
     good = ends[ends >= 0]
     valid_end = int(good.max()) if len(good) else 0
     corruptions.sort()
-    table = RecordTable(d, offs[order], types[order], lens[order])
+    table = RecordTable(d, offs, types, lens)
     report = dict(bytes=size, records=len(table), valid_end=valid_end,
                   torn_tail_bytes=torn, corruptions=corruptions)
     return table, report
 
 
-# the payload length of each fixed-size record type
-_PAYLOAD_SIZES = {arl.REC_START: arl.START_PAYLOAD.size,
-                  arl.REC_TOKEN: arl.TOKEN_PAYLOAD.size,
-                  arl.REC_FORCED: arl.FORCED_PAYLOAD.size,
-                  arl.REC_FINISH: arl.FINISH_PAYLOAD.size}
+def scan_log_fast(data):
+    """scan_log with numpy -> (RecordTable, report), the same records and report.
+
+    Every full 32 KiB block starts with a record, so all blocks are walked in lockstep
+    (one vectorised step per run of same-length records, not per record), and the
+    checksums of all records of one length are computed at once (crc32c_tables). A
+    block with anything irregular (damage, a zero-type record) and the file's last,
+    partial block are handed to chapter 18's scan_log, which reads a block
+    independently of the others: so the result is scan_log's, and its cost is numpy's.
+    data: bytes or a uint8 array (copied once, with _SLACK zero bytes after it).
+    """
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data, dtype=np.uint8).ravel()
+    else:
+        data = np.frombuffer(memoryview(data).cast('B'), np.uint8)
+    buf = np.zeros(len(data) + _SLACK, np.uint8)
+    buf[:len(data)] = data
+    return _scan(buf, len(data))
+
+
+# the payload length of each record type, by type (-1: a type of no fixed size)
+_PAYLOAD_SIZES = np.array([{arl.REC_START: arl.START_PAYLOAD.size,
+                            arl.REC_TOKEN: arl.TOKEN_PAYLOAD.size,
+                            arl.REC_FORCED: arl.FORCED_PAYLOAD.size,
+                            arl.REC_FINISH: arl.FINISH_PAYLOAD.size}.get(t, -1)
+                           for t in range(256)], np.int64)
 
 
 def replay_records_fast(table, report):
     """replay_records on a RecordTable, with numpy -> the same WalState.
 
-    Records are grouped by request (a stable sort keeps file order). A request whose
-    records are regular (one start first, then positions 0, 1, 2, ... and at most one
-    finish, last, with the right length) is rebuilt from array slices; any other
-    request, the meta records, and records of unknown type or size go through chapter
-    18's replay_records, which treats requests independently. So the result equals
+    Records are grouped by request (a stable sort keeps file order; a log of one
+    request needs none). A request whose records are regular (one start first, then
+    positions 0, 1, 2, ... and at most one finish, last, with the right length) is
+    rebuilt from array slices, with one tolist() per field; any other request, the
+    meta records, and records of unknown type or size go through chapter 18's
+    replay_records, which treats requests independently. So the result equals
     replay_records(table.records(), report).
     """
-    types, lens = table.types.astype(np.int64), table.lengths
-    n = len(types)
-    known = np.zeros(n, bool)
-    for rtype, size in _PAYLOAD_SIZES.items():
-        known |= (types == rtype) & (lens == size)
-    meta = types == arl.REC_META
-    fields = table.fields(16)                        # [N, 16] payload bytes
-    u32 = fields.view('<u4')                                      # [N, 4]
-    rid = np.where(known, u32[:, 0].astype(np.int64), -1)
-    # scalar: meta records, and fixed-type records of the wrong size (malformed)
-    scalar = np.flatnonzero(meta | (~known & ~meta))
+    types, n = table.types, len(table)
+    known = _PAYLOAD_SIZES[types] == table.lengths          # fixed type, right size
+    pay = table.fields(16).view('<u4')                     # [N, 4] payload words
     # a stable sort groups records by request, in file order (radix sort on 16 bits)
-    key = rid.astype(np.uint16) if rid.max(initial=0) < 2**16 - 1 else rid
-    order = np.argsort(key, kind='stable')
-    order = order[rid[order] >= 0]
-    rs = rid[order]
-    g_start = np.flatnonzero(np.r_[True, rs[1:] != rs[:-1]]) if len(rs) else rs[:0]
-    g_rid, g_count = rs[g_start], np.diff(np.r_[g_start, len(rs)])
-    t = types[order]
-    is_start, fin = t == arl.REC_START, t == arl.REC_FINISH
-    is_tok = (t == arl.REC_TOKEN) | (t == arl.REC_FORCED)
-    group = np.repeat(np.arange(len(g_rid)), g_count)             # group of each record
-    first = np.zeros(len(order), bool)
-    first[g_start] = True
-    last = np.zeros(len(order), bool)
-    last[g_start + g_count - 1] = True
-    tokens_per = np.bincount(group, is_tok, len(g_rid)).astype(np.int64)
-    finish_per = np.bincount(group, fin, len(g_rid)).astype(np.int64)
-    # token k of a request must sit at position k
-    k_in_group = np.cumsum(is_tok) - 1
-    k_in_group -= np.repeat(np.cumsum(tokens_per) - tokens_per, g_count)
-    u32o = u32[order]                                    # [M, 4] in group order
-    # a record that makes its request irregular: a start that is not its first record
-    # (or a first record that is not a start), a token out of place, a finish that is
-    # not last, has the wrong length or an unknown outcome code
-    outcome = fields[order, 12].astype(np.int64)
-    bad = (is_start != first) | (is_tok & (u32o[:, 1] != k_in_group))
-    bad |= fin & (~last | (u32o[:, 1] != tokens_per[group])
-                  | (outcome >= len(arl.OUTCOME_CODES)))
-    regular = np.bincount(group, bad, len(g_rid)) == 0
-    # 1. chapter 18's replay for everything irregular
-    slow_groups = np.flatnonzero(~regular)
-    slow = np.concatenate([scalar] + [order[g_start[g]:g_start[g] + g_count[g]]
-                                      for g in slow_groups]).astype(np.int64)
-    slow.sort()
-    state = arl.replay_records([(int(table.offsets[k]), int(table.types[k]),
-                                 table.payload(k)) for k in slow], report)
+    rid = pay[:, 0]
+    if known.all() and (n < 2 or (rid[1:] >= rid[:-1]).all()):
+        order = None                                       # already grouped
+        rs, t, u32 = rid, types, pay
+    else:
+        if rid[known].max(initial=0) < 2**16 - 1:
+            key = np.where(known, rid, 2**16 - 1).astype(np.uint16)   # unknown: last
+        else:
+            key = np.where(known, rid.astype(np.int64), 2**32)
+        order = np.argsort(key, kind='stable')
+        order = order[:np.count_nonzero(known)] if n else order
+        rs, t = rid[order], types[order]
+        u32 = np.take(pay, order, axis=0)                   # [M, 4] in group order
+    m = len(rs)
+    g_start = np.flatnonzero(np.r_[True, rs[1:] != rs[:-1]]) if m else np.zeros(0, int)
+    g_end = np.r_[g_start[1:], m] if m else g_start
+    # record k of a regular request is its start (k = 0), else a token at position
+    # k - 1, else (last) a finish with length k - 1 and a known outcome code
+    if len(g_start) == 1:
+        rel = np.arange(-1, m - 1, dtype=np.int64)
+    else:
+        rel = np.arange(m, dtype=np.int64) - np.repeat(g_start + 1, g_end - g_start)
+    good = (u32[:, 1] == rel) & ((t == arl.REC_TOKEN) | (t == arl.REC_FORCED)
+                                 | (t == arl.REC_FINISH))
+    good[g_start] = t[g_start] == arl.REC_START
+    fin = np.flatnonzero(t == arl.REC_FINISH)
+    g_of_fin = np.searchsorted(g_start, fin, side='right') - 1
+    good[fin] &= (fin == g_end[g_of_fin] - 1) & (
+        (u32[fin, 3] & 0xFF) < len(arl.OUTCOME_CODES))
+    regular = np.logical_and.reduceat(good, g_start) if m else good
+    # 1. chapter 18's replay for everything irregular, in file order
+    slow = [np.flatnonzero(~known)]
+    for g in np.flatnonzero(~regular).tolist():
+        a, b = g_start[g], g_end[g]
+        slow.append(np.arange(a, b) if order is None else order[a:b])
+    slow = np.sort(np.concatenate(slow))
+    state = arl.replay_records([(int(table.offsets[k]), int(types[k]),
+                                 table.payload(k)) for k in slow.tolist()], report)
     requests = dict(state.requests)
-    # 2. the regular requests from array slices
-    sampled = t == arl.REC_TOKEN
-    tok = u32o[:, 2]
-    logp = np.where(sampled, u32o[:, 3].view(np.float32), np.float32(0))
-    reward = u32o[:, 2].view(np.float32)
-    for g in np.flatnonzero(regular):
-        a, b = g_start[g], g_start[g] + g_count[g]
-        sl = slice(a + 1, b - 1 if finish_per[g] else b)       # the token records
-        req = arl.RequestLog(int(u32o[a, 1]), tok[sl].tolist(), sampled[sl].tolist(),
-                             logp[sl].tolist())
-        if finish_per[g]:
-            req.finish = (float(reward[b - 1]), arl.OUTCOME_CODES[outcome[b - 1]],
-                          int(fields[order[b - 1], 13]))
-        requests[int(g_rid[g])] = req
+    # 2. the regular requests from array slices: one tolist() per field
+    logp = u32[:, 3].view(np.float32)
+    for g in np.flatnonzero(regular).tolist():
+        a, b = int(g_start[g]), int(g_end[g])
+        finish = t[b - 1] == arl.REC_FINISH
+        sl = slice(a + 1, b - 1 if finish else b)             # the token records
+        sampled = t[sl] == arl.REC_TOKEN
+        logps = np.full(len(sampled), 0.0, dtype=object)        # one shared 0.0
+        np.copyto(logps, logp[sl], where=sampled)
+        req = arl.RequestLog(int(u32[a, 1]), u32[sl, 2].tolist(), sampled.tolist(),
+                             logps.tolist())
+        if finish:
+            word = int(u32[b - 1, 3])
+            req.finish = (float(u32[b - 1, 2:3].view(np.float32)[0]),
+                          arl.OUTCOME_CODES[word & 0xFF], (word >> 8) & 0xFF)
+        requests[int(rs[a])] = req
     # insertion order as replay_records makes it: by each request's first start record
-    start_at = {}
-    for k in np.flatnonzero((types == arl.REC_START) & known):
-        start_at.setdefault(int(rid[k]), k)
-    requests = {r: requests[r] for r in sorted(requests, key=start_at.__getitem__)}
+    starts = np.flatnonzero((types == arl.REC_START) & known)
+    first_start = dict(zip(*[x.tolist() for x in np.unique(
+        pay[starts, 0], return_index=True)])) if len(starts) else {}
+    requests = {r: requests[r] for r in sorted(requests, key=first_start.__getitem__)}
     return arl.WalState(state.meta, requests, state.report)
 
 
 def recover_log_fast(path):
-    """recover_log with numpy: the log at `path` -> the same WalState."""
-    table, report = scan_log_fast(np.fromfile(path, dtype=np.uint8))
-    return replay_records_fast(table, report)
+    """recover_log with numpy: the log at `path` -> the same WalState. The file is
+    read once into a buffer with _SLACK zero bytes after it (no further copy)."""
+    with open(path, 'rb') as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = np.zeros(size + _SLACK, np.uint8)
+        got = f.readinto(memoryview(buf)[:size])
+        while got < size:                     # readinto may return less than asked
+            more = f.readinto(memoryview(buf)[got:size])
+            if not more:
+                break
+            got += more
+    return replay_records_fast(*_scan(buf, got))
 
 
 def encode_token_records(rids, positions, tokens, logps):
@@ -879,49 +939,85 @@ def encode_token_records(rids, positions, tokens, logps):
     return out
 
 
+_HEAD = struct.pack('<HB', arl.TOKEN_PAYLOAD.size, arl.REC_TOKEN)   # length | type
+
+
+_HEAD_CRC = crc32c(_HEAD)              # crc32c(_HEAD + p) == crc32c(p, _HEAD_CRC)
+
+
+_PACKERS = {}                          # n -> the struct of n token records
+
+
+def _pack_token_records(rids, positions, tokens, logps):
+    """encode_token_records for a few records, with struct -> bytes: one
+    TOKEN_PAYLOAD.pack and one crc32c call per record (both mapped, no Python loop),
+    then one pack of all the records."""
+    n = len(rids)
+    if n not in _PACKERS:
+        _PACKERS[n] = struct.Struct('<' + 'I3s16s' * n)
+    fields = [v.tolist() if hasattr(v, 'tolist') else v
+              for v in (rids, positions, tokens, logps)]
+    payloads = list(map(arl.TOKEN_PAYLOAD.pack, *fields))
+    crcs = map(crc32c, payloads, itertools.repeat(_HEAD_CRC))
+    return _PACKERS[n].pack(*itertools.chain.from_iterable(
+        zip(crcs, itertools.repeat(_HEAD), payloads)))
+
+
 # The flusher: a separate small Python process (no torch, no GIL shared with the
-# engine) that fdatasyncs the log whenever offsets arrive on its pipe and sends back
-# the last offset each fsync covered.
+# engine). It watches the log's size: whenever the log has grown past what it last
+# synced, it fdatasyncs it and sends back the size the log had before that fsync (all
+# of it is now on the device); otherwise it sleeps a little longer each time (up to
+# 10 ms), or until the engine wakes it. The engine never has to wake it while
+# decoding: only wait() does, and closing the wake-up pipe stops it.
 _FLUSHER = r"""
-import os, sys
-fd, notify, ack = (int(a) for a in sys.argv[1:4])
+import os, select, sys
+fd, wake, ack, synced = (int(a) for a in sys.argv[1:5])
 sync = os.fdatasync if hasattr(os, 'fdatasync') else os.fsync
+nap = 1e-4
 while True:
-    offsets = os.read(notify, 1 << 16)       # every offset written since the last read
-    if not offsets:
-        break
-    sync(fd)
-    os.write(ack, offsets[-8:])
+    size = os.fstat(fd).st_size
+    if size > synced:
+        sync(fd)
+        synced = size
+        os.write(ack, size.to_bytes(8, 'little'))
+        nap = 1e-4
+        continue
+    if select.select([wake], [], [], nap)[0]:
+        if not os.read(wake, 1 << 16):
+            break                                    # the engine closed the log
+    else:
+        nap = min(2 * nap, 0.01)
 """
 
 
 class GroupCommitWriter(arl.WalWriter):
     """Chapter 18's WalWriter under policy 'step', with two changes: append_tokens()
-    encodes a whole decoding step's token records with numpy, and commit() only hands
-    the bytes to the OS and, unless an fsync is already in flight, tells a flusher
-    process the end offset; the flusher fdatasyncs in the background and reports back,
-    and the next fsync covers every step written meanwhile (group commit across
-    steps). `durable` is the offset up to which
-    the log is on the device; the engine acknowledges tokens only up to it, so after a
-    power loss every acknowledged token is still there, as with 'step'. wait(offset)
-    blocks until the log is durable up to offset. Same format, same bytes. POSIX.
+    encodes a whole decoding step's token records at once (struct for a few, numpy
+    for many), and commit() only hands the bytes to the OS and reads what the
+    flusher has reported. The flusher, a separate process, fdatasyncs the log
+    whenever it has grown, one fsync at a time, each covering every step written
+    while the previous one ran (group commit across steps). `durable` is the offset
+    up to which the log is on the device; the engine acknowledges tokens only up to
+    it, so after a power loss every acknowledged token is still there, as with
+    'step'. wait(offset) blocks until the log is durable up to offset. Same format,
+    same bytes. POSIX.
     """
     def __init__(self, path):
         super().__init__(path, 'step')
-        self._in_flight = False                  # an fsync the flusher is doing
-        notify_r, self._notify = os.pipe()
+        wake_r, self._wake = os.pipe()
         self._ack, ack_w = os.pipe()
         self._flusher = subprocess.Popen(
-            [sys.executable, '-c', _FLUSHER, str(self.fd), str(notify_r), str(ack_w)],
-            pass_fds=(self.fd, notify_r, ack_w))
-        os.close(notify_r)
+            [sys.executable, '-c', _FLUSHER, str(self.fd), str(wake_r), str(ack_w),
+             str(self.durable)], pass_fds=(self.fd, wake_r, ack_w))
+        os.close(wake_r)
         os.close(ack_w)
         os.set_blocking(self._ack, False)
         self.written = self.durable
 
     def _poll(self, block):
-        """Read the flusher's acknowledgements (waiting for one if block)."""
-        os.set_blocking(self._ack, block)
+        """Read the flusher's reports (waiting for one if block)."""
+        if block:
+            select.select([self._ack], [], [])
         try:
             acks = os.read(self._ack, 1 << 16)
         except BlockingIOError:
@@ -931,14 +1027,6 @@ class GroupCommitWriter(arl.WalWriter):
                                f'(code {self._flusher.poll()})')
         self.syncs += len(acks) // 8
         self.durable = int.from_bytes(acks[-8:], 'little')
-        self._in_flight = False
-
-    def _sync_if_idle(self):
-        """Ask for an fsync of all that is written, unless one is in flight: one fsync
-        at a time, each covering every step written while the previous one ran."""
-        if not self._in_flight and self.written > self.durable:
-            os.write(self._notify, self.written.to_bytes(8, 'little'))
-            self._in_flight = True
 
     def append(self, rtype, payload):
         record = arl.encode_record(rtype, payload)
@@ -951,39 +1039,39 @@ class GroupCommitWriter(arl.WalWriter):
 
     def append_tokens(self, rids, positions, tokens, logps):
         """Append N token records (zero-padding blocks as append() would)."""
-        if len(rids) < 256:              # numpy's per-call cost exceeds the loop's
-            for r, p, t, lp in zip(rids, positions, tokens, logps):
-                self.append(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(
-                    int(r), int(p), int(t), float(lp)))
-            return
-        rows = encode_token_records(rids, positions, tokens, logps)
-        B, S = arl.WAL_BLOCK_SIZE, rows.shape[1]
-        k, parts = 0, []
-        while k < len(rows):
+        n = len(rids)
+        if not len(positions) == len(tokens) == len(logps) == n:
+            raise ValueError(f'rids, positions, tokens, logps must have one length, '
+                             f'got {n}, {len(positions)}, {len(tokens)}, {len(logps)}')
+        if n >= 256:
+            records = encode_token_records(rids, positions, tokens, logps).tobytes()
+        else:
+            records = _pack_token_records(rids, positions, tokens, logps)
+        B, S = arl.WAL_BLOCK_SIZE, arl.RECORD_HEADER.size + arl.TOKEN_PAYLOAD.size
+        k = 0
+        while k < n:
             room = B - self.offset % B
-            fit = min(room // S, len(rows) - k)
+            fit = min(room // S, n - k)
             if fit == 0:                         # pad to the end of this block
-                parts.append(bytes(room))
+                self.pending += bytes(room)
                 self.offset += room
                 continue
-            parts.append(rows[k:k + fit].tobytes())
+            self.pending += records[k * S:(k + fit) * S] if fit < n else records
             self.offset += fit * S
             k += fit
-        self.pending += b''.join(parts)
 
     def commit(self):
-        """Write the pending records (no fsync here) and tell the flusher; returns the
-        offset that will be durable once the flusher has synced it."""
+        """Write the pending records (no fsync here: the flusher will sync them) and
+        read what the flusher has made durable; returns the offset that will be
+        durable once the flusher has synced it."""
         if self.pending:
-            data = bytes(self.pending)
+            written = os.write(self.fd, self.pending)
+            while written < len(self.pending):
+                written += os.write(self.fd, memoryview(self.pending)[written:])
             self.pending.clear()
-            written = 0
-            while written < len(data):
-                written += os.write(self.fd, data[written:])
         self.written = self.offset
-        if self._in_flight:
+        if self.durable < self.written:
             self._poll(block=False)
-        self._sync_if_idle()
         return self.offset
 
     def wait(self, offset=None):
@@ -991,14 +1079,14 @@ class GroupCommitWriter(arl.WalWriter):
         -> durable offset."""
         target = self.written if offset is None else offset
         while self.durable < target:
-            self._sync_if_idle()
+            os.write(self._wake, b'w')           # no need to wait for its nap
             self._poll(block=True)
         return self.durable
 
     def close(self):
         self.commit()
         self.wait()
-        os.close(self._notify)                   # the flusher sees the end and exits
+        os.close(self._wake)                     # the flusher sees the end and exits
         self._flusher.wait()
         os.close(self._ack)
         os.close(self.fd)

@@ -341,6 +341,34 @@ def test_fast_reader_on_irregular_records(tmp_path):
     assert state.report['malformed'] >= 3 and state.report['orphans'] >= 3
 
 
+def test_fast_reader_on_large_ids_one_request_and_a_meta_in_between(tmp_path):
+    """The sort key for request ids of 2**16 and more, a log of one request (no sort),
+    and one request interrupted by a meta record (sorted again), each also torn."""
+    g = np.random.default_rng(5)
+    logs = []
+    for name, rids, meta_at in (('big', [70000, 2**32 - 2, 65535], 300),
+                                ('one', [3], None), ('meta', [3], 700)):
+        w = arl.WalWriter(tmp_path / f'{name}.wal', 'os')
+        for r in rids:
+            w.append(arl.REC_START, arl.START_PAYLOAD.pack(r, 1))
+        for p in range(1500):
+            if p == meta_at:
+                w.append(arl.REC_META, b'{"late": true}')
+            for r in rids:
+                w.append(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(
+                    r, p, int(g.integers(52)), float(-g.random())))
+        w.append(arl.REC_FINISH, arl.FINISH_PAYLOAD.pack(rids[0], 1500, 1.0, 0, 2))
+        w.close()
+        logs.append((tmp_path / f'{name}.wal').read_bytes())
+    for data in logs:
+        assert len(data) > arl.WAL_BLOCK_SIZE
+        assert_same(data)
+        assert_same(data[:-30])
+        state = arl.replay_records_fast(*arl.scan_log_fast(data))
+        assert len(state.requests[int(arl.START_PAYLOAD.unpack(
+            data[7:15])[0])].tokens) == 1500
+
+
 damage = st.lists(st.tuples(st.sampled_from(['flip', 'zero', 'noise', 'copy']),
                             st.floats(0, 1), st.integers(1, 300), st.integers(0, 7)),
                   min_size=1, max_size=4)
@@ -403,3 +431,26 @@ def test_group_commit_writer_same_bytes_and_durable(tmp_path):
     again.close()
     records, report = arl.scan_log((tmp_path / 'new.wal').read_bytes())
     assert report['corruptions'] == [] and records[-1][1] == arl.REC_TOKEN
+
+
+def test_group_commit_writer_big_steps_and_durable_offsets(tmp_path):
+    """Steps of 300 records (the numpy encoder) across blocks give chapter 18's bytes;
+    durable never runs ahead of what is written, and wait() makes all of it durable."""
+    g = np.random.default_rng(1)
+    old = arl.WalWriter(tmp_path / 'old.wal', 'os')
+    new = arl.GroupCommitWriter(tmp_path / 'new.wal')
+    with pytest.raises(ValueError, match='one length'):
+        new.append_tokens([0, 1], [0], [1, 2], [-0.5, -0.5])
+    for step, n in enumerate((300, 7, 300, 1, 300, 256, 255)):
+        rid, tok = np.arange(n), g.integers(0, 52, n)
+        lp = -g.random(n).astype(np.float32)
+        for k in range(n):
+            old.append(arl.REC_TOKEN, arl.TOKEN_PAYLOAD.pack(
+                int(rid[k]), step, int(tok[k]), float(lp[k])))
+        new.append_tokens(rid, [step] * n, tok, lp)
+        assert new.commit() == new.offset == old.offset
+        assert new.durable <= new.written == os.path.getsize(tmp_path / 'new.wal')
+    assert new.wait() == new.offset
+    old.close()
+    new.close()
+    assert (tmp_path / 'new.wal').read_bytes() == (tmp_path / 'old.wal').read_bytes()

@@ -51,6 +51,7 @@ class TeacherStore:
         return path
 
     def _count(self, tensors):
+        # the bytes of the tensors handed out; the kernel reads whole pages
         with self._lock:
             self.bytes_read += sum(t.nbytes for t in tensors)
 
@@ -121,13 +122,19 @@ class TeacherStore:
     def load_trunk(self, name):
         """The teacher without its head: a TinyAgent whose head is nn.Identity, so
         calling it returns the last-layer hidden states [B, T, d] (eval mode)."""
-        with safe_open(self._path(name, self.TRUNK), 'pt') as f:
+        path = self._path(name, self.TRUNK)
+        with safe_open(path, 'pt') as f:
             config = json.loads(f.metadata()['config'])
-            state = {k: f.get_tensor(k) for k in f.keys()}
+            # copies, read now (get_tensor would hand out views of the memory map)
+            state = {k: f.get_tensor(k).clone() for k in f.keys()}
         self._count(state.values())
         model = arl.TinyAgent(**config)
         # assign: the stored tensors become the parameters, in their own dtype
-        model.load_state_dict(state, strict=False, assign=True)   # all but the head
+        result = model.load_state_dict(state, strict=False, assign=True)
+        if result.missing_keys != ['head.weight'] or result.unexpected_keys:
+            raise ValueError(f'{path} does not hold a whole trunk: missing '
+                             f'{[k for k in result.missing_keys if k != "head.weight"]}'
+                             f', unexpected {result.unexpected_keys}')
         model.head = torch.nn.Identity()
         return model.eval()
 
@@ -140,6 +147,9 @@ def load_head_sharded(store, name, dtype=None):
     of the raw bytes assembles the rest: bit-identical to store.load_head(name),
     with 1/world of the reading on each rank.
     """
+    if not dist.is_initialized():
+        raise RuntimeError('load_head_sharded needs an initialised process group '
+                           '(torch.distributed.init_process_group)')
     rank, world = dist.get_rank(), dist.get_world_size()
     V, d = store.head_shape(name)
     n = -(-V // world)
@@ -175,32 +185,43 @@ def sharded_load_worker(rank, world_size, init_path, root, name, out_path):
 class HiddenBuffer:
     """Central buffer of the teachers' last-layer hidden states, one entry per
     trajectory: [n_i, d] at the trajectory's policy positions, stored in `dtype`
-    (bfloat16 or float16 halve float32's bytes)."""
+    (bfloat16 or float16 halve float32's bytes), with the name of the teacher that
+    produced it. A new rollout batch replaces the entries of its keys."""
 
     def __init__(self, dtype=torch.bfloat16):
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f'dtype must be a floating torch.dtype, got {dtype!r}')
-        self.dtype, self.entries = dtype, {}
+        self.dtype, self.entries, self.teachers = dtype, {}, {}
 
     def __len__(self):
         return len(self.entries)
 
     @property
     def nbytes(self):
+        """Bytes of the stored hidden states."""
         return sum(h.nbytes for h in self.entries.values())
 
-    def put(self, key, hidden):
-        """Store hidden [n, d] for trajectory `key` (rounded to the buffer's dtype)."""
+    def put(self, key, hidden, teacher=None):
+        """Store hidden [n, d] for trajectory `key` (rounded to the buffer's dtype),
+        from `teacher` (a name, checked by get)."""
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
             raise ValueError('hidden must be a tensor [n, d], got '
                              f'{getattr(hidden, "shape", type(hidden).__name__)}')
         self.entries[key] = hidden.detach().to(self.dtype, copy=True)
+        self.teachers[key] = teacher
 
-    def get(self, keys, dtype=None):
-        """The entries of `keys`, concatenated in that order -> [sum n_i, d]."""
+    def get(self, keys, dtype=None, teacher=None):
+        """The entries of `keys`, concatenated in that order -> [sum n_i, d] (in
+        dtype, default the buffer's); with `teacher`, every entry must be that
+        teacher's."""
         missing = [k for k in keys if k not in self.entries]
         if missing:
             raise KeyError(f'no hidden states buffered for trajectories {missing[:5]}')
+        wrong = [k for k in keys if teacher is not None and self.teachers[k] != teacher]
+        if wrong:
+            by = [self.teachers[k] for k in wrong[:5]]
+            raise ValueError(f'trajectories {wrong[:5]} were buffered by teachers '
+                             f'{by}, not {teacher!r}')
         out = torch.cat([self.entries[k] for k in keys])
         return out if dtype is None else out.to(dtype)
 
@@ -218,6 +239,10 @@ def fill_hidden_buffer(store, trajs, teacher_ids, pad_id, buffer, micro_batch_si
                          f'{len(trajs)} trajectories')
     names = store.names()
     teacher_ids = [int(t) for t in teacher_ids]
+    bad = sorted({t for t in teacher_ids if not 0 <= t < len(names)})
+    if bad:
+        raise ValueError(f'teacher_ids {bad} are not indices into the store\'s '
+                         f'{len(names)} teachers {names}')
     for teacher in sorted(set(teacher_ids)):
         rows = [i for i, t in enumerate(teacher_ids) if t == teacher]
         trunk = store.load_trunk(names[teacher])
@@ -226,7 +251,8 @@ def fill_hidden_buffer(store, trajs, teacher_ids, pad_id, buffer, micro_batch_si
                 batch = arl.collate([trajs[i] for i in part], pad_id)
                 hidden = trunk(batch['ids'])[:, :-1]                 # [b, w-1, d]
                 for row, i in enumerate(part.tolist()):
-                    buffer.put(i, hidden[row][batch['action_mask'][row].bool()])
+                    buffer.put(i, hidden[row][batch['action_mask'][row].bool()],
+                               teacher=names[teacher])
     return len(set(teacher_ids))
 
 
@@ -251,6 +277,8 @@ def _check_fused_args(h, w, hs, wt, chunk_size, vocab_chunk_size, beta,
         if x.dim() < 1 or x.shape[-1] != head.shape[1]:
             raise ValueError(f'{arg} must be [..., {head.shape[1]}] to match its '
                              f'head, got {tuple(x.shape)}')
+        if x.dtype != head.dtype:
+            raise TypeError(f'{arg} is {x.dtype} but its head is {head.dtype}')
     if h.shape[:-1] != hs.shape[:-1]:
         raise ValueError(f'student_hidden {tuple(h.shape)} and teacher_hidden '
                          f'{tuple(hs.shape)} differ in their token dimensions')
@@ -344,8 +372,10 @@ class _FusedLinearKL(torch.autograd.Function):
                 lse_s, lse_t = _online_lse(hc, w, hsc, wt, spans, dtype, temperature)
             value = dot = 0               # pass 2: the divergence, slice by slice
             for v0, v1 in spans:
-                z, u = cached or _slice_logits(hc, w, hsc, wt, v0, v1, dtype,
-                                               temperature)
+                if cached is not None:
+                    z, u = cached
+                else:
+                    z, u = _slice_logits(hc, w, hsc, wt, v0, v1, dtype, temperature)
                 logs, logt = z - lse_s[:, None], u - lse_t[:, None]       # [c, v]
                 value_part, dot_part = _slice_terms(logs, logt, beta)
                 value, dot = value + value_part, dot + dot_part
@@ -360,8 +390,11 @@ class _FusedLinearKL(torch.autograd.Function):
     def backward(ctx, grad_out):
         h, w, hs, wt, lse, dots = ctx.saved_tensors
         chunk_size, spans, beta, temperature, dtype = ctx.settings
-        grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        # accumulated in the reduction dtype (float32 for half inputs), cast at the end
+        grad_h = (torch.zeros(h.shape, dtype=dtype, device=h.device)
+                  if ctx.needs_input_grad[0] else None)
+        grad_w = (torch.zeros(w.shape, dtype=dtype, device=w.device)
+                  if ctx.needs_input_grad[1] else None)
         for c0 in range(0, h.shape[0], chunk_size):
             c1 = min(c0 + chunk_size, h.shape[0])
             for v0, v1 in spans:
@@ -375,16 +408,18 @@ class _FusedLinearKL(torch.autograd.Function):
                     g = (logs - logt if beta == 1 else
                          (1 - beta) * (logs - _log_mixture(logs, logt, beta)))
                     grad_z = torch.where(s > 0, s * (g - dots[c0:c1, None]), 0.)
-                grad_z = (grad_z * grad_out[c0:c1, None]).to(h.dtype)     # [c, v]
+                grad_z = grad_z * grad_out[c0:c1, None].to(dtype)          # [c, v]
                 if grad_h is not None:
-                    grad_h[c0:c1] += grad_z @ w[v0:v1]
+                    grad_h[c0:c1] += grad_z @ w[v0:v1].to(dtype)
                 if grad_w is not None:
-                    grad_w[v0:v1] += grad_z.T @ h[c0:c1]
+                    grad_w[v0:v1] += grad_z.T @ h[c0:c1].to(dtype)
+        grad_h = None if grad_h is None else grad_h.to(h.dtype)
+        grad_w = None if grad_w is None else grad_w.to(w.dtype)
         return grad_h, grad_w, None, None, None, None, None, None
 
 
 def fused_linear_kl(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                    chunk_size=1024, beta=1.0, vocab_chunk_size=None,
+                    chunk_size=1024, *, beta=1.0, vocab_chunk_size=None,
                     teacher_temperature=1.0):
     """Per-token generalised JSD (chapter 15's generalized_jsd) between the student's
     and the teacher's full-vocabulary distributions, computed from hidden states
@@ -396,7 +431,8 @@ def fused_linear_kl(student_hidden, student_weight, teacher_hidden, teacher_weig
     computes each token chunk's log-sum-exps over vocabulary slices (online
     log-sum-exp), then the divergence; backward recomputes the slices and
     accumulates the gradients of the student's hidden states and head. The teacher
-    is frozen (no gradient). Half-precision inputs are reduced in float32.
+    is frozen (no gradient). Half-precision inputs are reduced, and their gradients
+    accumulated, in float32; the output is float32 for them.
     """
     _check_fused_args(student_hidden, student_weight, teacher_hidden, teacher_weight,
                       chunk_size, vocab_chunk_size, beta, teacher_temperature)
@@ -448,21 +484,25 @@ class HeadLease:
 
     @property
     def weight(self):
+        """The head's weight [V, d]; RuntimeError once the lease is released."""
         if self._weight is None:
             raise RuntimeError(f'the head of {self.name!r} was released')
         return self._weight
 
     def release(self):
+        """Drop the lease's reference to the head."""
         self._weight = None
 
 
 class HeadScheduler:
     """Serves teacher heads in the order of `names`, one resident at a time.
 
-    Iterating yields a HeadLease per name. With prefetch, a background thread reads
-    the next head from the store (a double buffer: one head staged in host memory
-    while the resident one computes); without, each head is read when it is
-    needed. Counters: loads, bytes_read, load_seconds (time spent reading),
+    Iterating yields a HeadLease per name; the previous lease is released before
+    the next head is taken. With prefetch, a background thread reads the next head
+    from the store (a double buffer: at most one head staged in host memory while
+    the resident one computes); without, each head is read when it is needed. Use
+    it as a context manager (or iterate to the end) so the thread is stopped.
+    Counters: loads, bytes_read, load_seconds (time spent reading),
     waits (seconds the caller waited for each head; wait_seconds is their sum),
     timeline ((name, start, stop) of each read, in time.perf_counter seconds) and
     max_resident (the most heads alive at once among those handed out, counted
@@ -520,6 +560,9 @@ class HeadScheduler:
         alive, lease = [], None
         try:
             for name in self.names:
+                if lease is not None:         # drop the old head before the next one
+                    lease.release()
+                    lease = None
                 start = time.perf_counter()
                 if self.prefetch:
                     _, head, seconds = self._staged.get()
@@ -531,8 +574,6 @@ class HeadScheduler:
                 self.waits.append(time.perf_counter() - start)
                 self.wait_seconds += self.waits[-1]
                 self.load_seconds += seconds
-                if lease is not None:
-                    lease.release()           # the scheduler drops the old head
                 alive = [ref for ref in alive if ref() is not None]
                 alive.append(weakref.ref(head))
                 self.loads += 1
@@ -546,9 +587,20 @@ class HeadScheduler:
             self.close()
 
     def close(self):
-        """Stop the prefetch thread (finishing or leaving the loop does it too)."""
+        """Stop the prefetch thread and drop a staged head (finishing or leaving
+        the loop does it too)."""
         self._stop.set()
         self._free.release(2)                 # wake a loader waiting for the buffer
+        if self._thread is not None:
+            self._thread.join()
+        while not self._staged.empty():
+            self._staged.get_nowait()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def scheduled_distill_step(student, store, trajs, teacher_ids, pad_id, buffer, beta,
@@ -570,6 +622,10 @@ def scheduled_distill_step(student, store, trajs, teacher_ids, pad_id, buffer, b
         raise ValueError(f'need one teacher id per trajectory, got {len(teacher_ids)} '
                          f'for {len(trajs)} trajectories')
     names, teacher_ids = store.names(), [int(t) for t in teacher_ids]
+    bad = sorted({t for t in teacher_ids if not 0 <= t < len(names)})
+    if bad:
+        raise ValueError(f'teacher_ids {bad} are not indices into the store\'s '
+                         f'{len(names)} teachers {names}')
     groups = []                                     # (teacher, [trajectory indices])
     for i in teacher_order(teacher_ids).tolist():
         if not groups or groups[-1][0] != teacher_ids[i]:
@@ -580,23 +636,30 @@ def scheduled_distill_step(student, store, trajs, teacher_ids, pad_id, buffer, b
     n_tokens = float(sum(counts)) if n_tokens is None else n_tokens
     if not n_tokens > 0:
         raise ValueError(f'n_tokens must be > 0, got {n_tokens}')
-    scheduler = HeadScheduler(store, [names[t] for t, _ in groups], prefetch).start()
+    dtype = student.head.weight.dtype
     per_token = torch.zeros(sum(counts), dtype=torch.promote_types(
-        student.head.weight.dtype, torch.float32))                  # [N]
-    for (_, rows), lease in zip(groups, scheduler):
-        for part in torch.tensor(rows).split(micro_batch_size):
-            part = part.tolist()
-            batch = arl.collate([trajs[i] for i in part], pad_id)
-            mask = batch['action_mask'].bool()                      # [b, w-1]
-            hidden = last_hidden(student, batch['ids'])[:, :-1][mask]   # [n, d]
-            out = fused_linear_kl(hidden, student.head.weight,
-                                  buffer.get(part, dtype=hidden.dtype), lease.weight,
-                                  chunk_size, beta, vocab_chunk_size,
-                                  teacher_temperature)              # [n]
-            (out.sum() / n_tokens).backward()    # frees the graph that holds the head
-            idx = torch.cat([torch.arange(starts[i], starts[i] + counts[i])
-                             for i in part])
-            per_token[idx] = out.detach()
+        dtype, torch.float32))                                      # [N]
+    with HeadScheduler(store, [names[t] for t, _ in groups], prefetch,
+                       dtype=dtype) as scheduler:
+        for (teacher, rows), lease in zip(groups, scheduler):
+            for part in [rows[k:k + micro_batch_size]
+                         for k in range(0, len(rows), micro_batch_size)]:
+                batch = arl.collate([trajs[i] for i in part], pad_id)
+                mask = batch['action_mask'].bool()                  # [b, w-1]
+                hidden = last_hidden(student, batch['ids'])[:, :-1][mask]   # [n, d]
+                teacher_hidden = buffer.get(part, dtype, teacher=names[teacher])
+                if len(teacher_hidden) != len(hidden):
+                    raise ValueError(f'the buffer holds {len(teacher_hidden)} hidden '
+                                     f'states for trajectories {part}, which have '
+                                     f'{len(hidden)} policy tokens')
+                out = fused_linear_kl(hidden, student.head.weight, teacher_hidden,
+                                      lease.weight, chunk_size, beta=beta,
+                                      vocab_chunk_size=vocab_chunk_size,
+                                      teacher_temperature=teacher_temperature)  # [n]
+                (out.sum() / n_tokens).backward()   # frees the graph holding the head
+                idx = torch.cat([torch.arange(starts[i], starts[i] + counts[i])
+                                 for i in part])
+                per_token[idx] = out.detach()
     return per_token.sum().item() / n_tokens, scheduler
 
 

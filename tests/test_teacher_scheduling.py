@@ -4,11 +4,14 @@ one-resident head scheduler and the scheduled distillation step (against chapter
 import copy
 import shutil
 import threading
+import weakref
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from hypothesis import given, settings, strategies as st
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import agentrl as arl
 
@@ -672,3 +675,99 @@ def test_scheduled_step_rejecting_n_tokens_leaves_no_loader_thread(distill_setup
     for thread in new:
         thread.join(timeout=2)
     assert not [t for t in new if t.is_alive()]
+
+
+# ---------------------------------------------------------------- found in review
+
+def test_scheduled_step_with_bfloat16_heads_and_buffer(teachers_store, tmp_path):
+    """Heads stored in bfloat16 are loaded in the student's dtype; the loss moves
+    only by the rounding of the heads and hidden states."""
+    teachers, _ = teachers_store
+    as32 = {f: copy.deepcopy(m).float() for f, m in teachers.items()}
+    full, half = arl.TeacherStore(tmp_path / 'full'), arl.TeacherStore(tmp_path / 'half')
+    for family, model in as32.items():
+        full.save(family, model)
+        half.save(family, model, head_dtype=torch.bfloat16)
+    trajs = _trajectories(seed=3)
+    ids = [full.names().index(t.info['family']) for t in trajs]
+    losses = []
+    for store, dtype in ((full, torch.float32), (half, torch.bfloat16)):
+        buf = arl.HiddenBuffer(dtype)
+        arl.fill_hidden_buffer(store, trajs, ids, 0, buf)
+        student = _agent(20, 16)
+        loss, sched = arl.scheduled_distill_step(student, store, trajs, ids, 0, buf, 1.0)
+        assert sched.max_resident == 1 and student.head.weight.grad.dtype == torch.float32
+        losses.append(loss)
+    assert losses[1] == pytest.approx(losses[0], rel=0.05)
+    assert losses[1] != losses[0]                       # the rounding is really there
+
+
+def test_scheduler_frees_the_old_head_before_reading_the_next(heads):
+    store = arl.TeacherStore(heads)
+    handed, alive_at_read = [], []
+    load_head = store.load_head
+
+    def spy(name, rows=None, dtype=None):
+        alive_at_read.append(sum(ref() is not None for ref in handed))
+        head = load_head(name, rows, dtype)
+        handed.append(weakref.ref(head))
+        return head
+
+    store.load_head = spy
+    for lease in arl.HeadScheduler(store, ['a', 'b', 'c', 'a'], prefetch=False):
+        lease.weight.sum()
+    assert alive_at_read == [0, 0, 0, 0]
+
+
+def test_scheduler_context_manager_stops_the_thread(heads):
+    with arl.HeadScheduler(arl.TeacherStore(heads), ['a', 'b', 'c']) as sched:
+        for lease in sched:
+            break
+    assert not sched._thread.is_alive() and sched._staged.empty()
+    unused = arl.HeadScheduler(arl.TeacherStore(heads), ['a', 'b']).start()
+    unused.close()                                      # never iterated: still stops
+    assert not unused._thread.is_alive()
+
+
+def test_teacher_ids_out_of_range_and_buffers_of_another_teacher(distill_setup):
+    teachers, root, trajs, teacher_ids, buf, student = distill_setup
+    store = arl.TeacherStore(root)
+    with pytest.raises(ValueError, match='teacher_ids'):
+        arl.fill_hidden_buffer(store, trajs, [-1] + teacher_ids[1:], 0,
+                               arl.HiddenBuffer(torch.float64))
+    with pytest.raises(ValueError, match='teacher_ids'):
+        arl.scheduled_distill_step(copy.deepcopy(student), store, trajs,
+                                   [3] + teacher_ids[1:], 0, buf, 0.5)
+    shifted = [(t + 1) % 3 for t in teacher_ids]        # buffered by other teachers
+    with pytest.raises(ValueError, match='buffered by teachers'):
+        arl.scheduled_distill_step(copy.deepcopy(student), store, trajs, shifted, 0, buf,
+                                   0.5)
+
+
+def test_load_trunk_rejects_an_incomplete_trunk(tmp_path):
+    store = arl.TeacherStore(tmp_path)
+    store.save('t', _agent(0))
+    path = tmp_path / 't' / store.TRUNK
+    state = load_file(path)
+    with safe_open(path, 'pt') as f:
+        metadata = f.metadata()
+    del state['blocks.layers.0.mlp.0.bias']
+    save_file(state, path, metadata=metadata)
+    with pytest.raises(ValueError, match='whole trunk'):
+        store.load_trunk('t')
+
+
+def test_fused_linear_kl_rejects_mixed_dtypes_and_keeps_beta_keyword_only():
+    h, w = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    hs, wt = torch.randn(3, 2), torch.randn(5, 2)
+    with pytest.raises(TypeError, match='teacher_hidden'):
+        arl.fused_linear_kl(h, w, hs.double(), wt)
+    with pytest.raises(TypeError, match='student_hidden'):
+        arl.fused_linear_kl(h.detach().bfloat16(), w, hs, wt)
+    with pytest.raises(TypeError):
+        arl.fused_linear_kl(h, w, hs, wt, 2, 0.5)       # beta is keyword-only
+
+
+def test_load_head_sharded_needs_a_process_group(heads):
+    with pytest.raises(RuntimeError, match='process group'):
+        arl.load_head_sharded(arl.TeacherStore(heads), 'a')

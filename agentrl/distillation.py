@@ -26,6 +26,13 @@ def _check_logits(student_logits, teacher_logits):
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f'student_logits {tuple(student_logits.shape)} and teacher_'
                          f'logits {tuple(teacher_logits.shape)} differ in shape')
+    for arg, x in (('student_logits', student_logits),
+                   ('teacher_logits', teacher_logits)):
+        # -inf is a token the model never emits; NaN or +inf is a diverged run, and
+        # a divergence computed from it would look like a number
+        if torch.isnan(x).any() or torch.isposinf(x).any():
+            raise ValueError(f'{arg} holds NaN or +inf: only finite logits or -inf '
+                             '(a token with probability 0) are allowed')
 
 
 def _kl(logp, logq):
@@ -47,6 +54,8 @@ def generalized_jsd(student_logits, teacher_logits, beta, temperature=1.0):
     beta = 1 the reverse KL(s || t) (mode seeking). Computed from log-softmax, so
     logits of any magnitude are safe and teacher probabilities that underflow to 0
     (or logits of -inf) add nothing. Half-precision inputs are computed in float32.
+    NaN or +inf in either input raises ValueError: a diverged run must not look like
+    a finite divergence.
     """
     _check_logits(student_logits, teacher_logits)
     if isinstance(beta, bool) or not isinstance(beta, numbers.Real):

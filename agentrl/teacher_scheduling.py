@@ -282,6 +282,16 @@ def _check_fused_args(h, w, hs, wt, chunk_size, vocab_chunk_size, beta,
     if h.shape[:-1] != hs.shape[:-1]:
         raise ValueError(f'student_hidden {tuple(h.shape)} and teacher_hidden '
                          f'{tuple(hs.shape)} differ in their token dimensions')
+    devices = {str(x.device) for x in args.values()}
+    if len(devices) > 1:
+        raise ValueError('student_hidden, student_weight, teacher_hidden and '
+                         f'teacher_weight must be on one device, got {sorted(devices)}')
+    for arg, x in args.items():
+        # the kernel maps p = 0 terms to 0, so a NaN on the side whose probabilities
+        # are not the weights would vanish into a finite (and wrong) divergence
+        if not torch.isfinite(x).all():
+            raise ValueError(f'{arg} holds NaN or inf: a diverged model has no '
+                             'divergence to report')
     if hs.requires_grad or wt.requires_grad:
         raise ValueError('the teacher is frozen: pass teacher_hidden and '
                          'teacher_weight without requires_grad (e.g. .detach())')
@@ -432,7 +442,8 @@ def fused_linear_kl(student_hidden, student_weight, teacher_hidden, teacher_weig
     log-sum-exp), then the divergence; backward recomputes the slices and
     accumulates the gradients of the student's hidden states and head. The teacher
     is frozen (no gradient). Half-precision inputs are reduced, and their gradients
-    accumulated, in float32; the output is float32 for them.
+    accumulated, in float32; the output is float32 for them. The four tensors must
+    share one device and be finite (ValueError otherwise).
     """
     _check_fused_args(student_hidden, student_weight, teacher_hidden, teacher_weight,
                       chunk_size, vocab_chunk_size, beta, teacher_temperature)
@@ -552,9 +563,22 @@ class HeadScheduler:
                 self._staged.put((name, error, 0.0))
                 return
 
+    def _next_staged(self):
+        """The next staged (name, head, seconds); RuntimeError if the scheduler is
+        closed (from any thread) while waiting, instead of waiting forever."""
+        while True:
+            try:
+                return self._staged.get(timeout=0.05)
+            except queue.Empty:
+                if self._stop.is_set():
+                    raise RuntimeError('the HeadScheduler was closed while '
+                                       'iterating') from None
+
     def __iter__(self):
         if self._iterated:
             raise RuntimeError('a HeadScheduler serves its names once; make a new one')
+        if self._stop.is_set():
+            raise RuntimeError('this HeadScheduler is closed; make a new one')
         self._iterated = True
         self.start()
         alive, lease = [], None
@@ -563,9 +587,11 @@ class HeadScheduler:
                 if lease is not None:         # drop the old head before the next one
                     lease.release()
                     lease = None
+                if self._stop.is_set():       # closed by another thread
+                    raise RuntimeError('the HeadScheduler was closed while iterating')
                 start = time.perf_counter()
                 if self.prefetch:
-                    _, head, seconds = self._staged.get()
+                    _, head, seconds = self._next_staged()
                     self._free.release()      # the staging buffer is free again
                     if isinstance(head, BaseException):
                         raise head
@@ -588,10 +614,11 @@ class HeadScheduler:
 
     def close(self):
         """Stop the prefetch thread and drop a staged head (finishing or leaving
-        the loop does it too)."""
+        the loop does it too). Safe from any thread: a caller waiting for a head is
+        woken and raises RuntimeError, and iterating afterwards raises too."""
         self._stop.set()
         self._free.release(2)                 # wake a loader waiting for the buffer
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         while not self._staged.empty():
             self._staged.get_nowait()

@@ -116,6 +116,25 @@ def test_jsd_rejects_bad_input():
         arl.generalized_jsd(s, s.tolist(), 0.5)
 
 
+@pytest.mark.parametrize('beta', [0.0, 0.5, 1.0])
+@pytest.mark.parametrize('bad', [float('nan'), float('inf')])
+@pytest.mark.parametrize('arg', ['student_logits', 'teacher_logits'])
+def test_jsd_refuses_nan_and_positive_inf_at_every_beta(beta, bad, arg):
+    """Issue: a NaN in the ignored side must not vanish into a finite divergence."""
+    s, t = _logits(3, V), _logits(3, V, seed=1)
+    poisoned = (s if arg == 'student_logits' else t).clone()
+    poisoned[1, 4] = bad
+    args = (poisoned, t) if arg == 'student_logits' else (s, poisoned)
+    with pytest.raises(ValueError, match=arg):
+        arl.generalized_jsd(*args, beta)
+
+
+def test_jsd_still_accepts_minus_inf_logits():
+    s, t = _logits(3, V), _logits(3, V, seed=1)
+    t[:, :2] = -float('inf')
+    assert torch.isfinite(arl.generalized_jsd(s, t, 0.0)).all()
+
+
 def test_token_estimators_bias_matches_the_theory():
     s, t = _logits(V, seed=16, scale=2), _logits(V, seed=17, scale=2)
     n = 200_000

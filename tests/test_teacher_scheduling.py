@@ -4,6 +4,7 @@ one-resident head scheduler and the scheduled distillation step (against chapter
 import copy
 import shutil
 import threading
+import time
 import weakref
 
 import pytest
@@ -771,3 +772,101 @@ def test_fused_linear_kl_rejects_mixed_dtypes_and_keeps_beta_keyword_only():
 def test_load_head_sharded_needs_a_process_group(heads):
     with pytest.raises(RuntimeError, match='process group'):
         arl.load_head_sharded(arl.TeacherStore(heads), 'a')
+
+
+# ------------------------------------------ non-finite inputs and hangs (reliability issue)
+
+def _fused_case(seed=0):
+    h, w = _randn(6, D, seed=seed), _randn(V, D, seed=seed + 1)
+    hs, wt = _randn(6, D, seed=seed + 2), _randn(V, D, seed=seed + 3)
+    return dict(student_hidden=h, student_weight=w, teacher_hidden=hs, teacher_weight=wt)
+
+
+@pytest.mark.parametrize('beta', [0.0, 0.5, 1.0])
+@pytest.mark.parametrize('bad', [float('nan'), float('inf'), -float('inf')])
+@pytest.mark.parametrize('arg', ['student_hidden', 'student_weight', 'teacher_hidden',
+                                 'teacher_weight'])
+def test_fused_linear_kl_refuses_non_finite_inputs(arg, bad, beta):
+    """Issue item 3: NaN on the side whose probabilities are not the weights (the
+    student at beta = 1, the teacher at beta = 0) used to give a divergence of 0."""
+    case = _fused_case()
+    case[arg] = case[arg].clone()
+    case[arg][1, 2] = bad
+    with pytest.raises(ValueError, match=arg):
+        arl.fused_linear_kl(*case.values(), 4, beta=beta)
+
+
+def test_fused_linear_kl_refuses_tensors_on_two_devices():
+    """Issue item 3: a head on another device must not be read as garbage."""
+    case = _fused_case()
+    case['teacher_weight'] = torch.empty(V, D, dtype=torch.float64, device='meta')
+    with pytest.raises(ValueError, match='one device'):
+        arl.fused_linear_kl(*case.values(), 4)
+
+
+def _finishes(fn, seconds=10.0):
+    """Run fn in a daemon thread; (finished, what it raised or returned)."""
+    box = {}
+
+    def target():
+        try:
+            box['value'] = fn()
+        except BaseException as e:            # noqa: BLE001 - reported to the test
+            box['error'] = e
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive(), box
+
+
+@pytest.mark.parametrize('prefetch', [False, True])
+def test_iterating_a_closed_scheduler_raises_instead_of_hanging(heads, prefetch):
+    """Issue item 6: iterating after close() (or after `with s: pass`) blocked."""
+    store = arl.TeacherStore(heads)
+    with arl.HeadScheduler(store, ['a', 'b'], prefetch=prefetch) as sched:
+        pass
+    done, box = _finishes(lambda: [lease.name for lease in sched])
+    assert done, 'iterating a closed scheduler hangs'
+    assert isinstance(box.get('error'), RuntimeError)
+    closed = arl.HeadScheduler(store, ['a'], prefetch=prefetch)
+    closed.close()
+    done, box = _finishes(lambda: list(closed))
+    assert done and isinstance(box.get('error'), RuntimeError)
+
+
+def test_close_from_another_thread_wakes_the_iterating_caller(heads):
+    """Issue item 6: close() from another thread left the caller blocked forever."""
+    release = threading.Event()
+    slow = arl.TeacherStore(heads)
+    original = slow.load_head
+
+    def blocked_load(name, **kw):             # the second head never arrives on its own
+        if name == 'b':
+            release.wait(30)
+        return original(name, **kw)
+    slow.load_head = blocked_load
+    sched = arl.HeadScheduler(slow, ['a', 'b'], prefetch=True)
+    first = threading.Event()
+
+    def consume():
+        for lease in sched:
+            first.set()
+    errors = []
+    thread = threading.Thread(target=_record, args=(consume, errors), daemon=True)
+    thread.start()
+    assert first.wait(10)
+    closer = threading.Thread(target=sched.close, daemon=True)
+    closer.start()
+    time.sleep(0.2)
+    release.set()                             # let the loader finish so close can join
+    closer.join(10)
+    thread.join(10)
+    assert not closer.is_alive() and not thread.is_alive(), 'close did not wake the caller'
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+
+
+def _record(fn, errors):
+    try:
+        fn()
+    except BaseException as e:                # noqa: BLE001
+        errors.append(e)

@@ -256,8 +256,32 @@ def distill_loss(student, teacher, ids, mask, beta, n_tokens, loss='jsd',
     return (per_token * mask).sum() / n_tokens, {k: v.item() for k, v in stats.items()}
 
 
+def distill_gradients(student, teachers, trajs, tok, cfg, n_tokens):
+    """One step's distillation gradient, accumulated into the student's .grad ->
+    totals (loss, reverse_kl, forward_kl, entropy: per policy token).
+
+    Every trajectory is routed to its family's teacher (route_by_family) and
+    distill_loss runs on micro-batches of cfg.micro_batch_size, each normalised by
+    the whole step's n_tokens, so the sum of the micro-batches' gradients is the
+    batch gradient. train_opd's default gradient_fn; chapter 17 computes the same
+    gradient through its teacher store and scheduler.
+    """
+    totals = dict(loss=0.0, reverse_kl=0.0, forward_kl=0.0, entropy=0.0)
+    for family, idx in route_by_family(trajs, teachers):
+        for part in torch.tensor(idx).split(cfg.micro_batch_size):
+            batch = arl.collate([trajs[i] for i in part], tok.pad_id)
+            loss, stats = distill_loss(
+                student, teachers[family], batch['ids'], batch['action_mask'],
+                cfg.beta, n_tokens, cfg.loss, cfg.teacher_temperature)
+            loss.backward()
+            totals['loss'] += loss.item()
+            for k, v in stats.items():
+                totals[k] += v / n_tokens
+    return totals
+
+
 def train_opd(student, teachers, tasks, tok, cfg, steps, eval_tasks=None,
-              eval_every=10, eval_n=8, progress=True):
+              eval_every=10, eval_n=8, progress=True, gradient_fn=distill_gradients):
     """On-policy distillation from many teachers, training `student` in place ->
     history.
 
@@ -269,6 +293,9 @@ def train_opd(student, teachers, tasks, tok, cfg, steps, eval_tasks=None,
     teacher_episodes, per-token loss, reverse_kl, forward_kl, entropy, the sampled
     episodes' behaviour), plus 'heldout' (arl.evaluate with eval_n episodes per task)
     every eval_every steps (eval_every=0: none) and after the last.
+    gradient_fn(student, teachers, trajs, tok, cfg, n_tokens) -> dict accumulates
+    the step's gradient and returns what the record shows of it
+    (distill_gradients unless given).
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f'steps must be an int >= 1, got {steps!r}')
@@ -311,17 +338,7 @@ def train_opd(student, teachers, tasks, tok, cfg, steps, eval_tasks=None,
             raise RuntimeError(f'step {step}: the episodes hold no policy token')
         student.train()
         optimizer.zero_grad()
-        totals = dict(loss=0.0, reverse_kl=0.0, forward_kl=0.0, entropy=0.0)
-        for family, idx in route_by_family(trajs, teachers):
-            for part in torch.tensor(idx).split(cfg.micro_batch_size):
-                batch = arl.collate([trajs[i] for i in part], tok.pad_id)
-                loss, stats = distill_loss(
-                    student, teachers[family], batch['ids'], batch['action_mask'],
-                    cfg.beta, n_tokens, cfg.loss, cfg.teacher_temperature)
-                loss.backward()
-                totals['loss'] += loss.item()
-                for k, v in stats.items():
-                    totals[k] += v / n_tokens
+        totals = gradient_fn(student, teachers, trajs, tok, cfg, n_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(),
                                                    cfg.max_grad_norm)
         optimizer.step()
@@ -360,6 +377,7 @@ __all__ = [
     'OPDConfig',
     'route_by_family',
     'distill_loss',
+    'distill_gradients',
     'train_opd',
     'train_opd_cached',
 ]

@@ -128,6 +128,12 @@ class TeacherStore:
             # copies, read now (get_tensor would hand out views of the memory map)
             state = {k: f.get_tensor(k).clone() for k in f.keys()}
         self._count(state.values())
+        return self.trunk_model(path, config, state)
+
+    @staticmethod
+    def trunk_model(path, config, state):
+        """A TinyAgent(**config) holding the trunk tensors `state` (read from
+        `path`), its head replaced by nn.Identity (eval mode)."""
         model = arl.TinyAgent(**config)
         # assign: the stored tensors become the parameters, in their own dtype
         result = model.load_state_dict(state, strict=False, assign=True)
@@ -163,21 +169,81 @@ def load_head_sharded(store, name, dtype=None):
     return head if dtype is None else head.to(dtype)
 
 
-def sharded_load_worker(rank, world_size, init_path, root, name, out_path):
-    """One rank of a sharded head load (gloo; run it with
-    torch.multiprocessing.spawn): loads head `name` of TeacherStore(root) with
-    load_head_sharded, compares it with a full read and writes dict(equal,
-    bytes_read, seconds) to f'{out_path}.{rank}'."""
+# safetensors' dtype names -> torch dtypes (those a TinyAgent can hold)
+SAFETENSORS_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16,
+                      'BF16': torch.bfloat16, 'I64': torch.int64}
+
+
+def deal_by_size(sizes, world):
+    """Owner rank of each item, dealing the largest first to the rank with the
+    fewest bytes so far (ties: lowest rank): sizes {key: nbytes} -> {key: rank}."""
+    load, owner = [0] * world, {}
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[key], load[rank] = rank, load[rank] + sizes[key]
+    return owner
+
+
+def load_trunk_sharded(store, name):
+    """ZeRO-like load of a trunk inside an initialised torch.distributed group ->
+    the trunk (as store.load_trunk(name)) on every rank.
+
+    The trunk's tensors are dealt to the ranks by size (deal_by_size, from the
+    file's header); each rank reads only its own and broadcasts their raw bytes,
+    so the result is bit-identical to a full read, with about 1/world of the
+    reading on each rank.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError('load_trunk_sharded needs an initialised process group '
+                           '(torch.distributed.init_process_group)')
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = store._path(name, store.TRUNK)
+    with safe_open(path, 'pt') as f:
+        config = json.loads(f.metadata()['config'])
+        slices = {k: f.get_slice(k) for k in f.keys()}
+        kinds = {k: (SAFETENSORS_DTYPES[s.get_dtype()], s.get_shape())
+                 for k, s in slices.items()}
+        sizes = {k: math.prod(shape) * dtype.itemsize for k, (dtype, shape) in
+                 kinds.items()}
+        owner = deal_by_size(sizes, world)
+        mine = {k: f.get_tensor(k).clone() for k in sorted(kinds) if owner[k] == rank}
+    store._count(mine.values())
+    state = {}
+    for key in sorted(kinds):                 # the same order on every rank
+        dtype, shape = kinds[key]
+        raw = (mine[key].reshape(-1).view(torch.uint8) if key in mine
+               else torch.empty(sizes[key], dtype=torch.uint8))
+        dist.broadcast(raw, src=owner[key])   # bytes: any dtype travels unchanged
+        state[key] = raw.view(dtype).reshape(shape)
+    return store.trunk_model(path, config, state)
+
+
+def sharded_load_worker(rank, world_size, init_path, root, name, out_path,
+                        part='head'):
+    """One rank of a sharded load (gloo; run it with torch.multiprocessing.spawn):
+    loads the head (part='head', load_head_sharded) or the trunk (part='trunk',
+    load_trunk_sharded) of teacher `name` of TeacherStore(root), compares it with
+    a full read and writes dict(equal, bytes_read, seconds) to
+    f'{out_path}.{rank}'."""
+    if part not in ('head', 'trunk'):
+        raise ValueError(f"part must be 'head' or 'trunk', got {part!r}")
     dist.init_process_group('gloo', init_method=f'file://{init_path}', rank=rank,
                             world_size=world_size)
     try:
         store = arl.TeacherStore(root)
         start = time.perf_counter()
-        head = load_head_sharded(store, name)
+        if part == 'head':
+            got = {'weight': load_head_sharded(store, name)}
+        else:
+            got = load_trunk_sharded(store, name).state_dict()
         seconds = time.perf_counter() - start
-        full = arl.TeacherStore(root).load_head(name)
-        torch.save(dict(equal=torch.equal(head, full), bytes_read=store.bytes_read,
-                        seconds=seconds), f'{out_path}.{rank}')
+        full = arl.TeacherStore(root)
+        full = ({'weight': full.load_head(name)} if part == 'head'
+                else full.load_trunk(name).state_dict())
+        equal = got.keys() == full.keys() and all(
+            got[k].dtype == full[k].dtype and torch.equal(got[k], full[k]) for k in full)
+        torch.save(dict(equal=equal, bytes_read=store.bytes_read, seconds=seconds),
+                   f'{out_path}.{rank}')
     finally:
         dist.destroy_process_group()
 
@@ -690,10 +756,50 @@ def scheduled_distill_step(student, store, trajs, teacher_ids, pad_id, buffer, b
     return per_token.sum().item() / n_tokens, scheduler
 
 
+def scheduled_gradients(store, buffer_dtype=None, prefetch=True, chunk_size=1024,
+                        vocab_chunk_size=None):
+    """A gradient_fn for chapter 15's arl.train_opd that takes every step through
+    this chapter's pieces -> gradient_fn(student, teachers, trajs, tok, cfg,
+    n_tokens) -> totals.
+
+    Each trajectory goes to the store's teacher named by its family; the teachers'
+    trunks fill a fresh HiddenBuffer (in buffer_dtype, default the student's
+    dtype; one trunk read per teacher) and scheduled_distill_step accumulates the
+    loss's gradient with one head resident at a time. The `teachers` dict that
+    train_opd holds only samples off-policy episodes: it scores nothing. totals:
+    loss (per policy token), trunks_read, head_loads, max_resident.
+    """
+    names = store.names()
+
+    def gradient_fn(student, teachers, trajs, tok, cfg, n_tokens):
+        if cfg.loss != 'jsd':
+            raise ValueError(f"scheduled_gradients computes the 'jsd' loss, got "
+                             f'{cfg.loss!r}')
+        families = [t.info.get('family') for t in trajs]
+        missing = sorted({str(f) for f in families if f not in names})
+        if missing:
+            raise ValueError(f'no teacher named {missing} in the store ({names})')
+        teacher_ids = [names.index(f) for f in families]
+        buffer = HiddenBuffer(buffer_dtype or student.head.weight.dtype)
+        trunks = fill_hidden_buffer(store, trajs, teacher_ids, tok.pad_id, buffer,
+                                    cfg.micro_batch_size)
+        loss, scheduler = scheduled_distill_step(
+            student, store, trajs, teacher_ids, tok.pad_id, buffer, cfg.beta,
+            n_tokens=n_tokens, micro_batch_size=cfg.micro_batch_size,
+            chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
+            prefetch=prefetch, teacher_temperature=cfg.teacher_temperature)
+        return dict(loss=loss, trunks_read=trunks, head_loads=scheduler.loads,
+                    max_resident=scheduler.max_resident)
+    return gradient_fn
+
+
 __all__ = [
     'last_hidden',
     'TeacherStore',
     'load_head_sharded',
+    'SAFETENSORS_DTYPES',
+    'deal_by_size',
+    'load_trunk_sharded',
     'sharded_load_worker',
     'HiddenBuffer',
     'fill_hidden_buffer',
@@ -703,4 +809,5 @@ __all__ = [
     'HeadLease',
     'HeadScheduler',
     'scheduled_distill_step',
+    'scheduled_gradients',
 ]

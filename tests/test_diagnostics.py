@@ -201,11 +201,19 @@ def test_calibrate_is_max_plus_k_std():
     assert thr['grad_norm'] == pytest.approx(4 + 2 * std)
     assert thr['loss_identity'] == 0.0                    # exact in every step
     assert thr['heldout_drop'] == 0.0
-    assert 'kl_ref' not in thr          # not a check: it drifts in healthy runs
     with pytest.raises(ValueError, match='histories'):
         arl.calibrate_checks([])
     with pytest.raises(ValueError, match='k'):
         arl.calibrate_checks([h], k=-1)
+
+
+def test_drift_from_the_base_fires_no_check():
+    """kl_ref is not a check, since it drifts in healthy runs: however far a run
+    drifts from the base, every check stays silent."""
+    thresholds = arl.calibrate_checks([_history(1), _history(2)])
+    report = arl.run_checks(_history(3, spike=('kl_ref', 12, 1e3)), thresholds)
+    assert set(report) == set(arl.CHECKS)
+    assert not any(r['fired'] for r in report.values())
 
 
 @pytest.mark.parametrize('name, key, value', [

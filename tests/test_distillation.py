@@ -338,3 +338,23 @@ def test_train_opd_cached_loads_the_second_time(small, tmp_path, monkeypatch):
     again, hist2 = arl.train_opd_cached(student, teachers, tasks, tok, cfg, 1)
     assert hist2 == hist
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+
+
+def test_train_opd_gradient_fn_is_the_step_it_takes(small):
+    """The gradient is a part of the loop: a gradient_fn that wraps the default one
+    trains bit for bit like the default, and is called once per step."""
+    tok, tasks, student, teachers = small
+    cfg = arl.OPDConfig(tasks_per_step=4, max_tokens=40, max_turns=2, micro_batch_size=3)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[-1])                              # n_tokens of the step
+        return arl.distill_gradients(*args)
+    plain, hooked = copy.deepcopy(student), copy.deepcopy(student)
+    h_plain = arl.train_opd(plain, teachers, tasks, tok, cfg, 3, progress=False)
+    h_hooked = arl.train_opd(hooked, teachers, tasks, tok, cfg, 3, progress=False,
+                             gradient_fn=counted)
+    assert len(calls) == 3 and all(n > 0 for n in calls)
+    assert h_plain == h_hooked
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), hooked.parameters()))
+    assert any(not torch.equal(p, q) for p, q in zip(plain.parameters(), student.parameters()))

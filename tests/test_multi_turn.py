@@ -253,12 +253,25 @@ def test_train_multi_turn_caches_and_applies_the_transform(tok, tmp_path, monkey
     assert seen == [0, 1] and h2 == h1                      # read from the cache
     for p, q in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(p, q)
-    # 'none' is chapter 10's train_rl without hooks (and so chapter 7's loop)
+    # 'none' is chapter 10's train_rl without hooks (and so chapter 7's loop); a
+    # random model never succeeds, so give the groups unequal rewards: both train
+    real_sample = arl.sample_groups
+
+    def informative(*args):
+        trajs = real_sample(*args)
+        for i, t in enumerate(trajs):
+            t.reward = float(i % 3 == 0)
+        return trajs
+
+    monkeypatch.setattr(arl, 'sample_groups', informative)
     m3, h3 = arl.train_multi_turn(model, tasks, tok, cfg, 2, 'none')
     ref = copy.deepcopy(model)
     arl.train_rl(ref, tasks, tok, cfg, 2, progress=False)
+    assert all(h['kept'] > 0 for h in h3)
     for p, q in zip(m3.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+    assert not all(torch.equal(p, q) for p, q in zip(m3.parameters(),
+                                                      model.parameters()))
     with pytest.raises(ValueError, match='transform'):
         arl.train_multi_turn(model, tasks, tok, cfg, 2, 'mask_everything')
     with pytest.raises(ValueError, match='eval_tasks'):

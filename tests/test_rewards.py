@@ -33,16 +33,29 @@ def test_train_rl_without_hooks_is_chapter_7_bit_for_bit(monkeypatch, tiny_agent
     assert [h['reward'] for h in ha] == [h['reward'] for h in hb]
 
 
-def test_identity_transform_trains_like_no_transform(tiny_agent):
+def test_identity_transform_trains_like_no_transform(monkeypatch, tiny_agent):
     tasks, tok, model = tiny_agent
+    real = arl.sample_groups
+
+    def informative(*args):                   # a random model never succeeds: give the
+        trajs = real(*args)                   # groups unequal rewards: both runs train
+        for i, t in enumerate(trajs):
+            t.reward = float(i % 3 == 0)
+        return trajs
+
+    monkeypatch.setattr(arl, 'sample_groups', informative)
     a, b = copy.deepcopy(model), copy.deepcopy(model)
-    arl.train_rl(a, tasks, tok, _cfg(), 2, progress=False)
+    ha = arl.train_rl(a, tasks, tok, _cfg(), 2, progress=False)
     seen = []
     arl.train_rl(b, tasks, tok, _cfg(), 2, progress=False,
                  transform=lambda trajs, step: seen.append(step) or trajs)
     assert seen == [0, 1]
+    assert [h['kept'] for h in ha] == [16, 16]
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
+    # the equality is not vacuous: both runs moved the weights
+    assert not all(torch.equal(p, q)
+                   for p, q in zip(a.parameters(), model.parameters()))
 
 
 def test_update_fn_replaces_rl_update(tiny_agent):

@@ -155,6 +155,41 @@ def test_sharded_load_equals_the_full_load_on_both_ranks(tmp_path, dtype):
     assert sum(r['bytes_read'] for r in results) == store.head_nbytes('t')
 
 
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float64])
+def test_sharded_trunk_load_equals_the_full_load_on_both_ranks(tmp_path, dtype):
+    store = arl.TeacherStore(tmp_path / 'store')
+    store.save('t', _agent(0).to(dtype))
+    out = tmp_path / 'result'
+    mp.spawn(arl.sharded_load_worker,
+             args=(2, str(tmp_path / 'rendezvous'), str(tmp_path / 'store'), 't', str(out),
+                   'trunk'),
+             nprocs=2)
+    results = [torch.load(f'{out}.{rank}') for rank in range(2)]
+    assert all(r['equal'] is True for r in results)          # values, dtypes, names
+    with safe_open(store.root / 't' / store.TRUNK, 'pt') as f:
+        total = sum(f.get_tensor(k).nbytes for k in f.keys())
+        largest = max(f.get_tensor(k).nbytes for k in f.keys())
+    read = [r['bytes_read'] for r in results]
+    assert sum(read) == total                                  # each tensor read once
+    assert abs(read[0] - read[1]) <= largest                   # dealt evenly by size
+
+
+def test_deal_by_size_balances_and_is_deterministic():
+    sizes = {'a': 10, 'b': 6, 'c': 5, 'd': 1, 'e': 0}
+    owner = arl.deal_by_size(sizes, 2)
+    assert owner == arl.deal_by_size(dict(reversed(sizes.items())), 2)
+    load = [sum(sizes[k] for k in sizes if owner[k] == r) for r in range(2)]
+    assert sorted(load) == [11, 11]
+    assert set(arl.deal_by_size(sizes, 1).values()) == {0}
+
+
+def test_load_trunk_sharded_needs_a_process_group(tmp_path):
+    store = arl.TeacherStore(tmp_path)
+    store.save('t', _agent(0))
+    with pytest.raises(RuntimeError, match='process group'):
+        arl.load_trunk_sharded(store, 't')
+
+
 # ---------------------------------------------------------------- teacher_order / inverse
 
 @settings(max_examples=60, deadline=None)
@@ -230,7 +265,14 @@ def test_scheduler_one_resident_head_in_order(heads, prefetch, names):
     assert sched.bytes_read == nbytes and store.bytes_read == 2 * nbytes   # + our check reads
     assert [t[0] for t in sched.timeline] == names
     assert all(start <= stop for _, start, stop in sched.timeline)
-    assert sched.load_seconds >= 0 and sched.wait_seconds >= 0
+    # the counters add up the timeline: one read after another, each counted once
+    reads = [stop - start for _, start, stop in sched.timeline]
+    assert sched.load_seconds == pytest.approx(sum(reads), rel=1e-9, abs=1e-12)
+    assert all(a[2] <= b[1] for a, b in zip(sched.timeline, sched.timeline[1:]))
+    assert len(sched.waits) == len(names)
+    assert sched.wait_seconds == pytest.approx(sum(sched.waits), rel=1e-9, abs=1e-12)
+    if not prefetch:                      # the caller waits for every read itself
+        assert all(w >= r for w, r in zip(sched.waits, reads))
     if prefetch:
         sched._thread.join(timeout=10)
         assert not sched._thread.is_alive()
@@ -870,3 +912,66 @@ def _record(fn, errors):
         fn()
     except BaseException as e:                # noqa: BLE001
         errors.append(e)
+
+
+# ------------------------------------------------ a train_opd run through the scheduler
+
+def _long_agent(seed, vocab, dtype=torch.float32):
+    """A tiny TinyAgent that fits whole episodes (max_len 256)."""
+    torch.manual_seed(seed)
+    return arl.TinyAgent(vocab, d_model=16, n_layers=1, n_heads=2, max_len=256).to(dtype).eval()
+
+
+@pytest.mark.parametrize('micro_batch_size', [2, 32])
+def test_scheduled_gradients_trains_like_train_opd_step_for_step(micro_batch_size, tmp_path):
+    """Issue (joints) item 5: chapter 15's loop with the scheduled gradient equals the plain
+    loop in float64: every step's loss and the weights after every update."""
+    tasks = [t for t in arl.make_tasks('train') if t.family in ('calc', 'max')][:8]
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+    make = lambda seed: _long_agent(seed, len(tok), torch.float64)
+    student = make(0)
+    teachers = {'calc': make(1), 'max': make(2)}
+    store = arl.TeacherStore(tmp_path)
+    for family, model in teachers.items():
+        store.save(family, model)
+    cfg = arl.OPDConfig(tasks_per_step=4, max_tokens=40, max_turns=2,
+                        micro_batch_size=micro_batch_size)
+    runs = []
+    for fn in (arl.distill_gradients, arl.scheduled_gradients(store)):
+        model, weights = copy.deepcopy(student), []
+
+        def recorded(s, *args, fn=fn, weights=weights):
+            out = fn(s, *args)
+            weights.append([p.grad.clone() for p in s.parameters()])
+            return out
+        history = arl.train_opd(model, teachers, tasks, tok, cfg, 3, progress=False,
+                                gradient_fn=recorded)
+        runs.append((history, weights, model))
+    (plain, plain_g, plain_m), (sched, sched_g, sched_m) = runs
+    for a, b in zip(plain, sched):
+        assert b['loss'] == pytest.approx(a['loss'], rel=1e-10, abs=0)
+        assert b['max_resident'] == 1 and b['head_loads'] == b['trunks_read'] >= 1
+    for ga, gb in zip(plain_g, sched_g):
+        for x, y in zip(ga, gb):
+            assert torch.allclose(x, y, rtol=1e-10, atol=1e-14)
+    for p, q in zip(plain_m.parameters(), sched_m.parameters()):
+        assert torch.allclose(p, q, rtol=1e-10, atol=1e-14)
+    assert any(not torch.equal(p, q) for p, q in zip(plain_m.parameters(),
+                                                     student.parameters()))
+
+
+def test_scheduled_gradients_rejects_a_family_without_a_stored_teacher(tmp_path):
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+    store = arl.TeacherStore(tmp_path)
+    store.save('calc', _long_agent(1, len(tok)))
+    tasks = [t for t in arl.make_tasks('train') if t.family == 'max'][:2]
+    teachers = {'max': _long_agent(2, len(tok))}
+    cfg = arl.OPDConfig(tasks_per_step=2, max_tokens=30, max_turns=2)
+    with pytest.raises(ValueError, match='no teacher named'):
+        arl.train_opd(_long_agent(0, len(tok)), teachers, tasks, tok, cfg, 1,
+                      progress=False, gradient_fn=arl.scheduled_gradients(store))
+    with pytest.raises(ValueError, match="'jsd'"):
+        arl.train_opd(_long_agent(0, len(tok)), teachers, tasks, tok,
+                      arl.OPDConfig(tasks_per_step=2, max_tokens=30, max_turns=2,
+                                    loss='sft'), 1, progress=False,
+                      gradient_fn=arl.scheduled_gradients(store))

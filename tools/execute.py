@@ -2,15 +2,30 @@
 
     python tools/execute.py                  # every chapter, in book order
     python tools/execute.py chapters/14_*    # only some (folders, notebooks or globs)
+    python tools/execute.py --timing warm --no-write   # time each chapter, keep the notebooks
+    python tools/execute.py --timing cold --no-write   # each from an empty artefact cache
+    python tools/execute.py --show-timings   # print the timing record, refresh README's table
 
 Each notebook runs in a fresh `python3` kernel whose working directory is the chapter folder,
 with a 600 s limit per cell. The first failing cell stops everything (exit 1).
+
+`--timing` records each chapter's wall time in `timings.json` (committed): *warm* runs with the
+usual artefact cache, *cold* with an empty one made for that chapter alone (what a Colab reader
+pays: the RL base, the runs and the teachers it needs are built). Each entry keeps the date, the
+machine, the load average before the run (a timing is only worth recording on an idle machine)
+and the artefacts the run built.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import platform
+import re
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,8 +79,9 @@ def coalesce_streams(cell) -> None:
     cell.outputs = outputs
 
 
-def execute_notebook(path: Path, root: Path) -> None:
-    """Run one notebook top to bottom in place; raise ToolError naming the failing cell."""
+def execute_notebook(path: Path, root: Path, write: bool = True) -> None:
+    """Run one notebook top to bottom (in place, unless `write` is False); raise ToolError
+    naming the failing cell."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
@@ -85,10 +101,101 @@ def execute_notebook(path: Path, root: Path) -> None:
         if cell.cell_type == "code":
             coalesce_streams(cell)
     clean_metadata(nb)
-    nbtools.write_nb(nb, path)
+    if write:
+        nbtools.write_nb(nb, path)
 
 
-def main(root: Path = ROOT, chapters: list[str] | None = None) -> int:
+TIMINGS = "timings.json"
+README_START, README_END = "<!-- timings: start -->", "<!-- timings: end -->"
+
+
+def artefact_cache() -> Path:
+    """The cache the package uses (agentrl.cache_dir's rule, without importing torch)."""
+    return Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl"))
+
+
+def cache_listing(cache: Path) -> set[str]:
+    """Names of the files in the artefact cache (empty if there is none)."""
+    return {p.name for p in cache.iterdir()} if cache.is_dir() else set()
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux), else what platform knows."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        match = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+        if match:
+            return match.group(1).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def record_timing(path: Path, chapter: str, mode: str, seconds: float, built: set[str],
+                  load: float) -> dict:
+    """Store one chapter's `mode` ('cold' or 'warm') timing in the JSON record at `path`."""
+    if mode not in ("cold", "warm"):
+        raise ValueError(f"mode must be 'cold' or 'warm', got {mode!r}")
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.setdefault(chapter, {})[mode] = dict(
+        seconds=round(seconds, 1), date=datetime.date.today().isoformat(),
+        cpu=cpu_name(), cores=os.cpu_count(), load_before=round(load, 2),
+        artefacts_built=len(built), artefact_kinds=sorted({n.split("-")[0] for n in built}))
+    path.write_text(json.dumps(dict(sorted(data.items())), indent=1, ensure_ascii=False) + "\n")
+    return data
+
+
+def timing_table(data: dict) -> str:
+    """The timing record as a markdown table (README), chapters in file order."""
+    rows = ["| chapter | cold (s) | warm (s) | artefacts a cold run builds |",
+            "|---|---:|---:|---|"]
+    for chapter, entry in data.items():
+        cold, warm = entry.get("cold", {}), entry.get("warm", {})
+        kinds = ", ".join(cold.get("artefact_kinds", [])) or "none"
+        rows.append(f"| {chapter} | {cold.get('seconds', '–')} | {warm.get('seconds', '–')} "
+                    f"| {kinds if cold else '–'} |")
+    return "\n".join(rows)
+
+
+def refresh_readme(root: Path) -> bool:
+    """Rewrite README's timing table from the record; return whether it changed."""
+    path, record = root / "README.md", root / TIMINGS
+    text = path.read_text()
+    if README_START not in text or not record.exists():
+        return False
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    table = timing_table(json.loads(record.read_text()))
+    new = f"{head}{README_START}\n{table}\n{README_END}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+def run_timed(path: Path, root: Path, mode: str | None, write: bool) -> tuple[float, set[str]]:
+    """Execute one notebook; with `mode` 'cold', against an empty cache of its own.
+    Returns (seconds, names of the artefacts the run added to the cache)."""
+    saved = os.environ.get("AGENTRL_CACHE")
+    tmp = tempfile.mkdtemp(prefix="agentrl-cold-") if mode == "cold" else None
+    if tmp:
+        os.environ["AGENTRL_CACHE"] = tmp
+    cache = artefact_cache()
+    before = cache_listing(cache)
+    start = time.perf_counter()
+    try:
+        execute_notebook(path, root, write=write)
+        return time.perf_counter() - start, cache_listing(cache) - before
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if saved is None:
+                os.environ.pop("AGENTRL_CACHE", None)
+            else:
+                os.environ["AGENTRL_CACHE"] = saved
+
+
+def main(root: Path = ROOT, chapters: list[str] | None = None, timing: str | None = None,
+         write: bool = True) -> int:
     """Execute the chosen chapters, print a time table, then sync and extract; return exit code."""
     from tqdm.auto import tqdm
 
@@ -110,20 +217,26 @@ def main(root: Path = ROOT, chapters: list[str] | None = None) -> int:
     for folder in bar:
         path = folder / "en.ipynb"
         bar.set_postfix_str(folder.name)
-        start = time.perf_counter()
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         try:
-            execute_notebook(path, root)
+            seconds, built = run_timed(path, root, timing, write)
         except ToolError as e:
             bar.close()
             print(f"\nerror: {e}", file=sys.stderr)
             return 1
-        times.append((folder.name, time.perf_counter() - start))
+        times.append((folder.name, seconds))
+        if timing:
+            record_timing(root / TIMINGS, folder.name, timing, seconds, built, load)
     bar.close()
     width = max([len(name) for name, _ in times] + [len("total")])
     print(f"\n{'chapter':<{width}}  seconds")
     for name, seconds in times:
         print(f"{name:<{width}}  {seconds:7.1f}")
     print(f"{'total':<{width}}  {sum(s for _, s in times):7.1f}")
+    if timing:
+        refresh_readme(root)
+    if not write:
+        return 0
     code = sync.main(root, chapters=[str(f) for f in folders]) if folders else 0
     return code or extract.main(root)
 
@@ -131,6 +244,17 @@ def main(root: Path = ROOT, chapters: list[str] | None = None) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("chapters", nargs="*", help="chapter folders or globs (default: all)")
+    parser.add_argument("--timing", choices=["cold", "warm"],
+                        help=f"record each chapter's wall time in {TIMINGS} (cold: empty cache)")
+    parser.add_argument("--no-write", action="store_true",
+                        help="leave the notebooks as they are (for timing runs)")
+    parser.add_argument("--show-timings", action="store_true",
+                        help=f"print {TIMINGS} as a table and refresh README's copy of it")
     parser.add_argument("--root", type=Path, default=ROOT, help="project root (default: this repo)")
     args = parser.parse_args()
-    sys.exit(main(args.root, args.chapters))
+    if args.show_timings:
+        record = args.root / TIMINGS
+        print(timing_table(json.loads(record.read_text())) if record.exists() else "no record")
+        refresh_readme(args.root.resolve())
+        sys.exit(0)
+    sys.exit(main(args.root, args.chapters, args.timing, not args.no_write))

@@ -1,0 +1,46 @@
+"""tools/execute.py: the timing record (timings.json) and README's copy of it."""
+import json
+
+import pytest
+
+import execute
+
+README = "# Book\n\nBefore.\n\n{start}\nold table\n{end}\n\nAfter.\n"
+
+
+def test_record_timing_keeps_both_modes_and_counts_artefacts(tmp_path):
+    path = tmp_path / "timings.json"
+    execute.record_timing(path, "07_rl_loop", "cold", 251.04, {"rl_base-ab.safetensors",
+                          "rl_run-cd.json", "rl_run-cd.safetensors"}, 0.1)
+    execute.record_timing(path, "07_rl_loop", "warm", 25.26, set(), 0.3)
+    execute.record_timing(path, "01_introduction", "warm", 30.0, set(), 0.0)
+    data = json.loads(path.read_text())
+    assert list(data) == ["01_introduction", "07_rl_loop"]          # chapters in order
+    cold, warm = data["07_rl_loop"]["cold"], data["07_rl_loop"]["warm"]
+    assert cold["seconds"] == 251.0 and warm["seconds"] == 25.3
+    assert cold["artefacts_built"] == 3 and cold["artefact_kinds"] == ["rl_base", "rl_run"]
+    assert warm["artefacts_built"] == 0 and warm["load_before"] == 0.3
+    assert cold["cores"] >= 1 and cold["cpu"]
+    with pytest.raises(ValueError, match="mode"):
+        execute.record_timing(path, "07_rl_loop", "tepid", 1.0, set(), 0.0)
+
+
+def test_readme_table_is_rewritten_from_the_record(tmp_path):
+    (tmp_path / "README.md").write_text(README.format(start=execute.README_START,
+                                                      end=execute.README_END))
+    execute.record_timing(tmp_path / execute.TIMINGS, "05_sft", "cold", 120.0,
+                          {"rl_base-x.safetensors"}, 0.0)
+    assert execute.refresh_readme(tmp_path)
+    text = (tmp_path / "README.md").read_text()
+    assert "old table" not in text and "| 05_sft | 120.0 | – | rl_base |" in text
+    assert text.startswith("# Book\n\nBefore.") and text.endswith("\n\nAfter.\n")
+    assert not execute.refresh_readme(tmp_path)                     # nothing left to change
+
+
+def test_committed_readme_shows_the_committed_record():
+    root = execute.ROOT
+    if not (root / execute.TIMINGS).exists():
+        pytest.skip("no timing record yet")
+    text = (root / "README.md").read_text()
+    table = execute.timing_table(json.loads((root / execute.TIMINGS).read_text()))
+    assert f"{execute.README_START}\n{table}\n{execute.README_END}" in text

@@ -201,6 +201,7 @@ class OPDConfig(arl.SamplingConfig):
     max_grad_norm: float = 1.0
 
     def __post_init__(self):
+        super().__post_init__()
         if self.loss not in ('jsd', 'sft'):
             raise ValueError(f"loss must be 'jsd' or 'sft', got {self.loss!r}")
         if not 0 <= self.beta <= 1 or not 0 <= self.lam <= 1:

@@ -8,12 +8,10 @@ import torch
 from tqdm.auto import tqdm
 import copy
 import dataclasses
-import functools
 import hashlib
 import json
 import os
 import re
-from pathlib import Path
 
 
 @dataclass
@@ -33,6 +31,14 @@ class RLConfig(arl.SamplingConfig):
     scale_rewards: bool = True    # divide advantages by the group std (chapter 6)
 
     def __post_init__(self):
+        super().__post_init__()
+        arl.check_int('seed', self.seed, 0)
+        arl.check_real('lr', self.lr, 0)
+        arl.check_real('clip_eps', self.clip_eps, 0)
+        arl.check_real('max_grad_norm', self.max_grad_norm, 0, strict=True,
+                       finite=False)               # inf: no clipping
+        arl.check_int('epochs', self.epochs, 1)
+        arl.check_int('micro_batch_size', self.micro_batch_size, 1)
         if self.lr_schedule not in ('linear', 'constant'):
             raise ValueError("lr_schedule must be 'linear' or 'constant', "
                              f"got {self.lr_schedule!r}")
@@ -180,20 +186,18 @@ def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval
     return history
 
 
-RUN_MODULES = ('tasks', 'model', 'sampling', 'sft', 'policy_gradient', 'rl_loop')
-
-
-@functools.lru_cache(maxsize=None)
-def _module_source(name):
-    """The source of agentrl/<name>.py, read once per process: files edited while a
-    long job runs (a sweep) do not change the hash of the code it has loaded."""
-    return (Path(arl.__file__).parent / f'{name}.py').read_text()
+# The modules a run of this loop executes: the book up to this chapter, and the two
+# later chapters that rebind names it calls (chapter 9's rl_update and chapter 10's
+# train_rl, each equal to this chapter's without their new options).
+RUN_MODULES = ('introduction', 'tasks', 'model', 'sampling', 'sft', 'policy_gradient',
+               'rl_loop', 'kl', 'rewards')
 
 
 def code_hash(modules=RUN_MODULES):
-    """Hash of the source of the package's `modules` (16 hex digits): a cached run is
-    recomputed whenever the code it ran changes."""
-    return arl.recipe_hash([_module_source(m) for m in modules])
+    """Hash of the code of the package's `modules` (16 hex digits; chapter 5's
+    source_hash: docstrings and comments do not count): a cached run is recomputed
+    whenever the code it ran changes."""
+    return arl.source_hash(modules)
 
 
 def model_hash(model):

@@ -12,10 +12,16 @@ import operator
 @dataclass
 class SamplingConfig(arl.EnvConfig):
     """How episodes are sampled: group_size episodes per task at `temperature`,
-    tasks_per_step tasks per step."""
+    tasks_per_step tasks per step. Checked when made (ValueError / TypeError)."""
     group_size: int = 8
     temperature: float = 1.0
     tasks_per_step: int = 16
+
+    def __post_init__(self):
+        super().__post_init__()
+        arl.check_int('group_size', self.group_size, 1)
+        arl.check_real('temperature', self.temperature, 0, strict=True)
+        arl.check_int('tasks_per_step', self.tasks_per_step, 1)
 
 
 @dataclass
@@ -71,6 +77,9 @@ def sample_groups(model, env_fn, tasks, tok, cfg, generator):
     Reproducible from `generator`.
     """
     _check_sampling(cfg)
+    if not isinstance(tok, arl.Tokenizer):
+        raise TypeError('tok must be the book\'s Tokenizer (arl.build_tokenizer), got '
+                        f'{type(tok).__name__}')
     model.eval()
     episodes = [_Episode(env_fn(), task, tok, g)
                 for g, task in enumerate(tasks) for _ in range(cfg.group_size)]

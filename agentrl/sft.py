@@ -7,6 +7,8 @@ import torch
 from tqdm.auto import tqdm
 import math
 import dataclasses
+import ast
+import functools
 import hashlib
 import json
 import os
@@ -163,6 +165,8 @@ def bootstrap_interval(values, groups=None, level=0.95, n_boot=2000, seed=0):
     values = torch.as_tensor(values, dtype=torch.float64).flatten()
     if values.numel() == 0:
         raise ValueError('values must not be empty')
+    if not torch.isfinite(values).all():
+        raise ValueError('values must be finite: NaN or inf has no interval')
     if not 0 < level < 1:
         raise ValueError(f'level must be in (0, 1), got {level}')
     if not isinstance(n_boot, int) or isinstance(n_boot, bool) or n_boot < 1:
@@ -308,14 +312,50 @@ def recipe_hash(recipe):
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def code_fingerprint(source):
+    """The code of a Python source text, without what cannot run: its AST (no line
+    numbers, so no comments or layout) with every docstring removed -> str."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, 'body', None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                              ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+@functools.lru_cache(maxsize=None)
+def _module_code(name):
+    """code_fingerprint of agentrl/<name>.py, read once per process: files edited
+    while a long job runs (a sweep) do not change the hash of the code it loaded."""
+    return code_fingerprint((Path(arl.__file__).parent / f'{name}.py').read_text())
+
+
+def source_hash(modules):
+    """Hash (16 hex digits) of the code of the package's `modules` (names; repeats
+    ignored): what keys a cached artefact to the code that made it. A comment or
+    docstring edit keeps the hash; a changed statement changes it."""
+    return recipe_hash([_module_code(m) for m in dict.fromkeys(modules)])
+
+
+# The modules the RL base's build runs: the book up to this chapter.
+BASE_MODULES = ('introduction', 'tasks', 'model', 'sampling', 'sft')
+
+
 def rl_base_path(tok, recipe=None):
     """The cache file of the RL base for this tokenizer and recipe (RL_BASE_RECIPE with
     `recipe`'s changes). The key also hashes the demonstrations themselves, so a change
-    to the task generator rebuilds the base even when the recipe reads the same."""
+    to the task generator rebuilds the base even when the recipe reads the same, and
+    the code of BASE_MODULES (source_hash), so does a change to the code that builds
+    it."""
     recipe = _recipe(recipe)
     demos = make_demo_tasks(recipe['demos_per_family'], recipe['demo_seed'])
     data = recipe_hash([arl.demonstration(t) for t in demos])
-    key = recipe_hash(dict(recipe, vocab=tok.itos, demonstrations=data))
+    key = recipe_hash(dict(recipe, vocab=tok.itos, demonstrations=data,
+                           code=source_hash(BASE_MODULES)))
     return cache_dir() / f'rl_base-{key}.safetensors'
 
 
@@ -362,6 +402,9 @@ __all__ = [
     'compare_evaluations',
     'cache_dir',
     'recipe_hash',
+    'code_fingerprint',
+    'source_hash',
+    'BASE_MODULES',
     'rl_base_path',
     'make_rl_base',
 ]

@@ -241,7 +241,8 @@ def sharded_load_worker(rank, world_size, init_path, root, name, out_path,
         full = ({'weight': full.load_head(name)} if part == 'head'
                 else full.load_trunk(name).state_dict())
         equal = got.keys() == full.keys() and all(
-            got[k].dtype == full[k].dtype and torch.equal(got[k], full[k]) for k in full)
+            got[k].dtype == full[k].dtype and torch.equal(got[k], full[k])
+            for k in full)
         torch.save(dict(equal=equal, bytes_read=store.bytes_read, seconds=seconds),
                    f'{out_path}.{rank}')
     finally:

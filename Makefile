@@ -1,15 +1,19 @@
 # Agentic RL from Scratch: build, test and maintain the book.
 #   make test   unit tests, package/sync checks, and every English notebook run by nbval
 #   make test-portable   the notebooks again under other CPU float roundings (avx2, default)
-#   make book   HTML in _build/html (Sphinx warnings are errors)
+#   make book   the website: English in _build/html, Chinese in _build/html/zh (warnings are errors)
 # Everything runs in .venv, created on first use from python3.
 
 PYTHON3 ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Installed before the package so that pip keeps this (CPU) build instead of pulling the
-# multi-GB default CUDA build; override e.g. `make venv TORCH_SPEC=torch`.
+# Installed before the package, so that pip keeps this torch instead of resolving its own. The CI
+# machines hold a CPU build of torch 2.13.0 that pip finds without any extra index (and reach no
+# other index). On your own Linux machine, where PyPI's torch is the multi-GB CUDA build, get the
+# CPU build from PyTorch's index: `make venv TORCH_INDEX=https://download.pytorch.org/whl/cpu`;
+# any other torch: e.g. `make venv TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 NBVAL := $(PYTEST) --nbval-lax --nbval-current-env
 EN_NOTEBOOKS = $(sort $(wildcard chapters/*/en.ipynb))
@@ -26,7 +30,7 @@ venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
-	$(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PY) -m pip install -e ".[dev]"
 	touch $@
 
@@ -71,10 +75,20 @@ extract: venv
 sync: venv
 	$(PY) tools/sync.py
 
+# Two Sphinx builds of the same notebooks, one site each (tools/sphinx_lang_switch.py links each
+# page to its translation): English (_config.yml, _toc.yml) into _build/html, the root of the
+# published site; Chinese (_config_zh.yml, _toc_zh.yml) into _build/zh/_build/html, copied to
+# _build/html/zh. .github/workflows/book.yml runs `make book` and publishes _build/html.
+JB_FLAGS := -W -n --keep-going
 book: venv
-	$(VENV)/bin/jupyter-book build . --path-output . -W -n --keep-going
+	$(VENV)/bin/jupyter-book build . --path-output . $(JB_FLAGS)
+	$(VENV)/bin/jupyter-book build . --config _config_zh.yml --toc _toc_zh.yml \
+	  --path-output _build/zh $(JB_FLAGS)
+	rm -rf _build/html/zh
+	cp -R _build/zh/_build/html _build/html/zh
+	$(PY) tools/check_offline.py _build/html/zh
 	$(PY) tools/check_offline.py _build/html
 
 clean:
-	rm -rf _build .pytest_cache .hypothesis
+	rm -rf _build build .pytest_cache .hypothesis
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

@@ -1,4 +1,4 @@
-"""Build small projects (a `_toc.yml` and chapter notebooks) in a temporary folder."""
+"""Build small projects (`_toc.yml`, `_toc_zh.yml` and chapter notebooks) in a temporary folder."""
 from pathlib import Path
 
 import nbformat
@@ -51,10 +51,10 @@ class Project:
         return folder
 
     def write_toc(self):
-        """A `_toc.yml` shaped like the book's: an English and a Chinese part."""
-        def part(caption, lang):
-            lines = [f"  - caption: {caption}", "    chapters:"]
-            lines += [f"      - file: chapters/{c}/{lang}" for c in self.chapters]
-            return lines
-        lines = ["format: jb-book", "root: index", "parts:"] + part("English", "en") + part("中文", "zh")
-        (self.root / "_toc.yml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        """Tables of contents shaped like the book's: `_toc.yml` (English site) and
+        `_toc_zh.yml` (Chinese site)."""
+        for name, root, lang in [("_toc.yml", "index", "en"), ("_toc_zh.yml", "index_zh", "zh")]:
+            lines = ["format: jb-book", f"root: {root}", "chapters:"]
+            lines += [f"  - file: chapters/{c}/{lang}" for c in self.chapters]
+            lines += [f"  - file: references_{lang}"]
+            (self.root / name).write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -40,11 +40,13 @@ def test_setup_cell_installs_only_when_missing_and_sets_one_thread(path):
     assert "arl.set_torch_threads()" in source
 
 
-def test_landing_page_lists_exactly_the_written_chapters():
-    """index.md says which chapters exist: every notebook is linked, every link exists."""
+@pytest.mark.parametrize("page, lang", [("index.md", "en"), ("index_zh.md", "zh")])
+def test_landing_page_lists_exactly_the_written_chapters(page, lang):
+    """Each site's landing page (index.md: English, index_zh.md: Chinese) says which chapters
+    exist: every notebook in its language is linked, every link exists."""
     import re
-    index = (REPO / "index.md").read_text(encoding="utf-8")
+    index = (REPO / page).read_text(encoding="utf-8")
     linked = set(re.findall(r"\]\((chapters/[^)]+\.ipynb)\)", index))
-    on_disk = {str(p.relative_to(REPO)) for p in NOTEBOOKS}
+    on_disk = {str(p.relative_to(REPO)) for p in NOTEBOOKS if p.stem == lang}
     assert linked == on_disk, (f"not linked: {sorted(on_disk - linked)}; "
                                f"missing: {sorted(linked - on_disk)}")

@@ -56,9 +56,15 @@ def cell_id(cell) -> str:
     return cell.get("id", "?")
 
 
-def toc_files(root: Path = ROOT) -> list[str]:
-    """Every `file:` entry of `_toc.yml`, in book order (root first)."""
-    toc = yaml.safe_load((Path(root) / "_toc.yml").read_text(encoding="utf-8"))
+# The book is two sites built from the same notebooks: English (`_toc.yml`, which also gives the
+# package its module order) and Chinese (`_toc_zh.yml`).
+EN_TOC, ZH_TOC = "_toc.yml", "_toc_zh.yml"
+
+
+def toc_files(root: Path = ROOT, toc_name: str = EN_TOC) -> list[str]:
+    """Every `file:` entry of a table of contents (the English `_toc.yml` unless `toc_name`
+    says otherwise), in book order (root first)."""
+    toc = yaml.safe_load((Path(root) / toc_name).read_text(encoding="utf-8"))
     files = [toc["root"]] if toc.get("root") else []
 
     def walk(node):
@@ -75,7 +81,7 @@ def toc_files(root: Path = ROOT) -> list[str]:
 
 
 def toc_chapters(root: Path = ROOT) -> list[Path]:
-    """Chapter folders in book order, from the English part of `_toc.yml` (`.../en` entries)."""
+    """Chapter folders in book order, from the English `_toc.yml` (its `.../en` entries)."""
     root = Path(root).resolve()
     chapters = []
     for entry in toc_files(root):

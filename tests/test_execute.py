@@ -44,3 +44,30 @@ def test_committed_readme_shows_the_committed_record():
     text = (root / "README.md").read_text()
     table = execute.timing_table(json.loads((root / execute.TIMINGS).read_text()))
     assert f"{execute.README_START}\n{table}\n{execute.README_END}" in text
+
+
+def test_run_record_names_version_commit_and_code():
+    record = execute.run_record(execute.ROOT)
+    assert set(record) == {"version", "commit", "code", "date"}
+    import extract
+    assert record["version"] == extract.project_version(execute.ROOT)
+    assert len(record["code"]) == 16 and int(record["code"], 16) >= 0
+    assert record["commit"] != "unknown"
+
+
+def test_clean_metadata_keeps_the_run_record():
+    import nbformat
+    nb = nbformat.v4.new_notebook()
+    nb.metadata.update(agentrl={"commit": "abc"}, widgets={"x": 1}, colab={"y": 2})
+    execute.clean_metadata(nb)
+    assert nb.metadata["agentrl"] == {"commit": "abc"} and "widgets" not in nb.metadata
+
+
+def test_provenance_paragraph_in_both_languages():
+    import sphinx_provenance as prov
+    record = dict(version="0.1.0", commit="abc123", code="f" * 16, date="2026-12-02")
+    en, zh = prov.provenance_html(record, "en"), prov.provenance_html(record, "zh_CN")
+    assert "agentrl 0.1.0 at commit abc123 (code ffffffffffffffff) on 2026-12-02" in en
+    assert "提交 abc123" in zh and "2026-12-02" in zh
+    assert "predate" in prov.provenance_html(None, "en")
+    assert "<script" not in prov.provenance_html(dict(record, commit="<script>"), "en")

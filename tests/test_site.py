@@ -118,7 +118,8 @@ def test_configs_differ_only_in_the_language_settings():
 def test_both_configs_load_the_extension_and_the_bibliography():
     for lang in ("en", "zh"):
         cfg = config(lang)
-        assert cfg["sphinx"]["local_extensions"] == {"sphinx_lang_switch": "tools"}
+        assert cfg["sphinx"]["local_extensions"] == {"sphinx_lang_switch": "tools",
+                                                     "sphinx_provenance": "tools"}
         assert cfg["bibtex_bibfiles"] == ["references.bib"]
     assert (REPO / "references.bib").exists()
 

@@ -37,7 +37,7 @@ KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "nam
 LANGUAGE_INFO = {"name": "python", "pygments_lexer": "ipython3"}
 # Notebook-level metadata worth keeping; the rest (versions, widget state, editor settings)
 # changes from machine to machine and would only make diffs noisy.
-KEEP_METADATA = ("colab", "accelerator")
+KEEP_METADATA = ("colab", "accelerator", "agentrl")
 CELL_NOISE = ("execution", "ExecuteTime", "collapsed", "scrolled")
 KERNEL_ARGS = [
     "--InlineBackend.figure_formats=png",  # the book shows PNG figures, never SVG
@@ -47,6 +47,28 @@ KERNEL_ARGS = [
     "--IPKernelApp.exec_lines=import warnings; "
     "warnings.filterwarnings('ignore', message='IProgress not found')",
 ]
+
+
+def run_record(root: Path) -> dict:
+    """What produced a notebook's outputs: package version, the commit the run started from
+    ("+changes" when the working tree differs from it), the hash of the package's code
+    (agentrl.source_hash of every module) and the date. Stored as metadata["agentrl"]."""
+    import subprocess
+
+    import extract
+
+    def git(*args):
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    commit = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+changes"
+    code = subprocess.run(
+        [sys.executable, "-c", "import agentrl as arl; "
+         "print(arl.source_hash(arl._MODULES))"], cwd=root, capture_output=True, text=True)
+    return dict(version=extract.project_version(root), commit=commit,
+                code=code.stdout.strip() or "unknown",
+                date=datetime.date.today().isoformat())
 
 
 def clean_metadata(nb) -> None:
@@ -79,9 +101,10 @@ def coalesce_streams(cell) -> None:
     cell.outputs = outputs
 
 
-def execute_notebook(path: Path, root: Path, write: bool = True) -> None:
+def execute_notebook(path: Path, root: Path, write: bool = True,
+                     record: dict | None = None) -> None:
     """Run one notebook top to bottom (in place, unless `write` is False); raise ToolError
-    naming the failing cell."""
+    naming the failing cell. `record` (run_record) is stored in its metadata."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
@@ -101,6 +124,8 @@ def execute_notebook(path: Path, root: Path, write: bool = True) -> None:
         if cell.cell_type == "code":
             coalesce_streams(cell)
     clean_metadata(nb)
+    if record:
+        nb.metadata["agentrl"] = dict(record)
     if write:
         nbtools.write_nb(nb, path)
 
@@ -172,7 +197,8 @@ def refresh_readme(root: Path) -> bool:
     return new != text
 
 
-def run_timed(path: Path, root: Path, mode: str | None, write: bool) -> tuple[float, set[str]]:
+def run_timed(path: Path, root: Path, mode: str | None, write: bool,
+              record: dict | None = None) -> tuple[float, set[str]]:
     """Execute one notebook; with `mode` 'cold', against an empty cache of its own.
     Returns (seconds, names of the artefacts the run added to the cache)."""
     saved = os.environ.get("AGENTRL_CACHE")
@@ -183,7 +209,7 @@ def run_timed(path: Path, root: Path, mode: str | None, write: bool) -> tuple[fl
     before = cache_listing(cache)
     start = time.perf_counter()
     try:
-        execute_notebook(path, root, write=write)
+        execute_notebook(path, root, write=write, record=record)
         return time.perf_counter() - start, cache_listing(cache) - before
     finally:
         if tmp:
@@ -213,13 +239,14 @@ def main(root: Path = ROOT, chapters: list[str] | None = None, timing: str | Non
         print(f"error: {e}", file=sys.stderr)
         return 2
     times = []
+    record = run_record(root) if write else None      # before any notebook is rewritten
     bar = tqdm(folders, desc="notebooks", unit="nb")
     for folder in bar:
         path = folder / "en.ipynb"
         bar.set_postfix_str(folder.name)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         try:
-            seconds, built = run_timed(path, root, timing, write)
+            seconds, built = run_timed(path, root, timing, write, record)
         except ToolError as e:
             bar.close()
             print(f"\nerror: {e}", file=sys.stderr)

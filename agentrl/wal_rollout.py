@@ -13,6 +13,7 @@ import hashlib
 import math
 import torch
 import torch.nn.functional as F
+import copy
 import numbers
 import signal
 import time
@@ -148,22 +149,29 @@ class WalWriter:
     'token': every record is written and fsynced at once. 'step': records wait in
     memory until commit(), which writes them all and fsyncs once (group commit). 'os':
     commit() writes without fsync, leaving to the kernel when the bytes reach the disk.
-    `durable` is the file offset up to which records are committed. Under 'token' and
-    'step' a log the writer creates is made durable by name too: its directory is
-    fsynced (counted in dir_syncs).
+    `durable` is the file offset up to which records are committed; under 'token' and
+    'step' that means on the device. A log the writer creates is made durable by name
+    too: its directory is fsynced (counted in dir_syncs). A log it reopens may end in
+    bytes a crashed run wrote but never fsynced, so under 'token' and 'step' the
+    writer fsyncs the file and its directory before it reports them durable. close()
+    is idempotent; a closed writer's commit() raises ValueError.
     """
+    policies = DURABILITY_POLICIES           # the policies this writer implements
+
     def __init__(self, path, policy='step'):
-        if policy not in DURABILITY_POLICIES:
-            raise ValueError(
-                f'policy must be one of {DURABILITY_POLICIES}, got {policy!r}')
-        self.policy, path = policy, Path(path)
-        created = not path.exists()
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if policy not in self.policies:
+            raise ValueError(f'policy must be one of {self.policies}, got {policy!r}')
+        self.policy, self.path = policy, Path(path)
+        created = not self.path.exists()
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.offset = self.durable = os.fstat(self.fd).st_size
         self.pending = bytearray()
         self.syncs = self.dir_syncs = 0
-        if created and policy != 'os':   # the new file's name must survive power loss
-            sync_dir(path.parent)
+        if policy != 'os':
+            if not created:              # an inherited tail is durable once fsynced
+                _sync(self.fd)
+                self.syncs += 1
+            sync_dir(self.path.parent)   # the file's name must survive power loss
             self.dir_syncs += 1
 
     def append(self, rtype, payload):
@@ -181,6 +189,8 @@ class WalWriter:
     def commit(self):
         """Hand the pending records to the OS (and fsync, unless policy 'os'); returns
         the durable offset."""
+        if self.fd is None:
+            raise ValueError(f'{self.path}: the writer is closed')
         if self.pending:
             data = bytes(self.pending)
             self.pending.clear()
@@ -194,8 +204,15 @@ class WalWriter:
         return self.durable
 
     def close(self):
-        self.commit()
-        os.close(self.fd)
+        """Commit and close the log. A second close() does nothing: by then the
+        descriptor's number may belong to another file."""
+        if self.fd is None:
+            return
+        try:
+            self.commit()
+        finally:
+            fd, self.fd = self.fd, None
+            os.close(fd)
 
 
 def _next_record(data, start, stop):
@@ -521,31 +538,42 @@ ROLLOUT_MODELS = ('rl_base', 'random')
 ROLLOUT_DTYPES = ('float64', 'float32')
 
 
+# chapter 16's formats; its 'fp32' (weights not rounded) is called 'float32' here
+WEIGHT_FORMATS = ('float32',) + tuple(f for f in arl.FORMATS if f != 'fp32')
+
+
 @dataclass
 class RolloutSpec(arl.EnvConfig):
     """A rollout job: group_size samples of each of the first n_tasks tasks of
-    `split`, decoded by `model` ('rl_base', or 'random': a fresh seeded TinyAgent for
-    fast tests) computing in `dtype`, logged under `policy` ('token' | 'step' | 'os', or
-    'none': no log, to measure what the log costs). step_sleep_s makes each decoding
-    step slower, as a bigger model would be, so that a demo can interrupt it mid-way.
-    Every field is checked when the spec is made (check_rollout_spec)."""
+    `split`, decoded by `model` ('rl_base'; 'random': a fresh seeded TinyAgent for
+    fast tests; or the path of a .safetensors file written by save_rollout_weights)
+    with its linear weights rounded to `weight_format` (WEIGHT_FORMATS: 'float32', or
+    one of chapter 16's formats), computing in `dtype`, logged under `policy` ('token'
+    | 'step' | 'os', or 'none': no log, to measure what the log costs). step_sleep_s
+    makes each decoding step slower, as a bigger model would be, so that a demo can
+    interrupt it mid-way. Every field is checked when the spec is made
+    (check_rollout_spec); a path may be given as a str or a Path (kept as a str)."""
     seed: int = 0
     split: str = 'heldout'
     n_tasks: int = 8
     group_size: int = 4
     temperature: float = 1.0
     model: str = 'rl_base'
+    weight_format: str = 'float32'
     dtype: str = 'float64'
     policy: str = 'step'
     step_sleep_s: float = 0.0
 
     def __post_init__(self):
+        if isinstance(self.model, os.PathLike):     # the log records it as JSON text
+            self.model = os.fspath(self.model)
         check_rollout_spec(self)
 
 
 def check_rollout_spec(spec):
     """Raise TypeError / ValueError, naming the field, for any field of a RolloutSpec
-    out of range (the number of tasks a split has is checked by run_rollout)."""
+    out of range (the number of tasks a split has, and the weights file, are checked
+    by run_rollout)."""
     def integer(name, low, high=None):
         value = getattr(spec, name)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -575,7 +603,11 @@ def check_rollout_spec(spec):
     real('temperature', positive=True)
     real('step_sleep_s', positive=False)
     choice('split', ('train', 'heldout', 'all'))
-    choice('model', ROLLOUT_MODELS)
+    if not (spec.model in ROLLOUT_MODELS or isinstance(spec.model, str)
+            and spec.model.endswith('.safetensors')):
+        raise ValueError(f'model must be one of {ROLLOUT_MODELS} or the path of a '
+                         f'.safetensors file, got {spec.model!r}')
+    choice('weight_format', WEIGHT_FORMATS)
     choice('dtype', ROLLOUT_DTYPES)
     choice('policy', DURABILITY_POLICIES + ('none',))
 
@@ -583,10 +615,23 @@ def check_rollout_spec(spec):
 SPEC_RUNTIME_FIELDS = ('policy', 'step_sleep_s')
 
 
-def job_fields(spec):
-    """The fields of a RolloutSpec that decide the tokens (all but SPEC_RUNTIME_FIELDS,
-    which a restart may change)."""
-    return {k: v for k, v in asdict(spec).items() if k not in SPEC_RUNTIME_FIELDS}
+def job_fields(spec, weights_hash=None):
+    """The fields that decide the tokens: those of a RolloutSpec but
+    SPEC_RUNTIME_FIELDS (which a restart may change), and, when given, weights_hash:
+    model_hash of the model as decoded (after weight_format and dtype), the policy
+    version every token of the job was sampled from."""
+    fields = {k: v for k, v in asdict(spec).items() if k not in SPEC_RUNTIME_FIELDS}
+    if weights_hash is not None:
+        fields['weights_hash'] = weights_hash
+    return fields
+
+
+def logged_job(meta):
+    """A log's meta record (a dict) -> (RolloutSpec, weights_hash): the job's spec and
+    the policy version it was decoded with (None in a log that has none)."""
+    fields = dict(meta)
+    weights_hash = fields.pop('weights_hash', None)
+    return RolloutSpec(**fields), weights_hash
 
 
 class _Request:
@@ -620,8 +665,68 @@ class _Request:
             self.env.step(self.action)      # the limit was reached on a forced token
 
 
+# A weights file is a TinyAgent's state dict in safetensors, with its constructor
+# arguments in the file's metadata (safetensors metadata maps str to str).
+TINYAGENT_CONFIG = ('vocab_size', 'd_model', 'n_layers', 'n_heads', 'max_len')
+
+
+def save_rollout_weights(path, model):
+    """Save a TinyAgent for RolloutSpec(model=path): its state dict (float32) in a
+    safetensors file, its TINYAGENT_CONFIG as metadata (decimal strings). Atomic:
+    temporary file, rename."""
+    from safetensors.torch import save_file
+    if not isinstance(model, arl.TinyAgent) or isinstance(model, arl.QuantizedAgent):
+        raise TypeError(f'model must be a TinyAgent, got {type(model).__name__}')
+    attn = model.blocks.layers[0].self_attn
+    config = dict(vocab_size=model.vocab_size, d_model=model.tok_emb.embedding_dim,
+                  n_layers=len(model.blocks.layers), n_heads=attn.num_heads,
+                  max_len=model.max_len)
+    state = {k: v.detach().float().cpu().contiguous()
+             for k, v in model.state_dict().items()}
+    path = Path(path)
+    tmp = path.with_name(path.name + '.tmp')
+    save_file(state, str(tmp), metadata={k: str(v) for k, v in config.items()})
+    os.replace(tmp, path)
+
+
+def load_rollout_weights(path):
+    """The TinyAgent in a file of save_rollout_weights (float32, eval mode). Raises
+    ValueError, naming the file, if it cannot be read or holds no TinyAgent."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework='pt') as f:
+            metadata = f.metadata() or {}
+            state = {name: f.get_tensor(name) for name in f.keys()}
+        model = arl.TinyAgent(**{k: int(metadata[k]) for k in TINYAGENT_CONFIG})
+        model.load_state_dict(state)
+    except Exception as e:                # missing, damaged, no config, other shapes
+        raise ValueError(f'model: {path} holds no TinyAgent weights file of '
+                         f'save_rollout_weights ({type(e).__name__}: {e})') from e
+    return model.eval()
+
+
+def round_weights(model, fmt):
+    """A float32 TinyAgent with every linear weight rounded to fmt (WEIGHT_FORMATS) by
+    chapter 16's quantize_model -> a plain TinyAgent holding the dequantised weights
+    ('float32': model itself). Plain, so that it computes in any dtype and model_hash
+    sees the rounded weights (a QuantizedAgent keeps them outside its state dict); its
+    logits are the QuantizedAgent's."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f'fmt must be one of {WEIGHT_FORMATS}, got {fmt!r}')
+    if fmt == 'float32':
+        return model
+    quantized = arl.quantize_model(model, fmt)
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if isinstance(module, arl.QuantizedLinear):
+                rounded.get_submodule(name).weight.copy_(module.weight)
+    return rounded
+
+
 def build_rollout_model(spec, tok):
-    """The model a RolloutSpec names, in eval mode and in spec.dtype."""
+    """The model a RolloutSpec names, its weights rounded to spec.weight_format, in
+    eval mode and in spec.dtype."""
     if spec.model == 'rl_base':
         model = arl.make_rl_base(tok, verbose=False)
     elif spec.model == 'random':
@@ -629,10 +734,14 @@ def build_rollout_model(spec, tok):
         model = arl.TinyAgent(len(tok), d_model=32, n_layers=2, n_heads=2,
                               max_len=spec.max_tokens)
     else:
-        raise ValueError(f'model must be one of {ROLLOUT_MODELS}, got {spec.model!r}')
+        model = load_rollout_weights(spec.model)
+    if model.vocab_size != len(tok):
+        raise ValueError(f'model: {spec.model} has a vocabulary of {model.vocab_size} '
+                         f'tokens, the tokenizer {len(tok)}')
     if spec.max_tokens > model.max_len:
         raise ValueError(f'max_tokens={spec.max_tokens} exceeds the model '
                          f'max_len={model.max_len}')
+    model = round_weights(model.float(), spec.weight_format)
     return model.to(getattr(torch, spec.dtype)).eval()
 
 
@@ -667,189 +776,293 @@ def _cut_torn_line(path):
     return len(data) - keep
 
 
-def run_rollout(workdir, spec=None):
+def run_rollout(workdir, spec=None, *, recover=recover_log, writer=WalWriter):
     """Decode a rollout job in `workdir` to the end, or until SIGTERM -> a summary.
 
-    Files in workdir: rollout.wal (the log; its first record holds the spec, which a
-    restart may omit or must match, see job_fields), kv.safetensors (the KV snapshot a
-    preemption leaves), acks.txt (after each commit: time, run, and request:length for
-    every request whose tokens up to that length are committed), runs.jsonl (a line
-    when a run starts and when it ends; read_runs). SIGTERM means preemption: finish the
-    current step, commit the log, save the KV cache of the unfinished requests and
-    return status 'preempted'. The spec, the log's spec and the folder are all checked
-    before anything in the folder is written.
+    Files in workdir: rollout.wal (the log; its first record holds the job: the spec,
+    which a restart may omit or must match (see job_fields), and weights_hash, the
+    policy version), kv.safetensors (the KV snapshot a preemption leaves), acks.txt
+    (after each commit: time, run, and request:length for every request whose tokens
+    up to that length the writer reports durable), runs.jsonl (a line when a run starts
+    and when it ends; read_runs). SIGTERM means preemption: finish the current step,
+    make the log durable, save the KV cache of the unfinished requests and return
+    status 'preempted'. The spec, the log's spec, the weights and the folder are all
+    checked before anything in the folder is written. A restart whose weights as
+    decoded differ from the log's (a changed weights file, another weight_format) is
+    refused with ValueError: a job is decoded by one policy version, so decode other
+    weights as a new job, in another folder.
+
+    The log's two parts are arguments. recover(path) -> WalState reads the log
+    (recover_log, or chapter 19's recover_log_fast); writer(path, policy) opens it for
+    appending (WalWriter, or chapter 19's GroupCommitWriter): append(rtype, payload),
+    commit() -> offset, durable, close(), syncs, dir_syncs, and optionally `policies`,
+    the policies it implements.
     """
+    if spec is not None and not isinstance(spec, RolloutSpec):
+        raise TypeError(f'spec must be a RolloutSpec or None, got '
+                        f'{type(spec).__name__}')
+    for name, part in (('recover', recover), ('writer', writer)):
+        if not callable(part):
+            raise TypeError(f'{name} must be callable, got {type(part).__name__}')
     stop = []
+    job = _RolloutJob(Path(workdir), recover, writer, stop)
     previous = signal.signal(signal.SIGTERM,
                              lambda signum, frame: stop.append(time.time()))
     try:
-        return _run_rollout(Path(workdir), spec, stop)
+        job.admit(spec)             # 1. everything that can refuse the job
+        job.repair_folder()         # 2. what a crash can leave half-written
+        job.replay_log()            # 3. the logged requests; log the new ones' prompts
+        job.restore_kv_cache()      # 4. from the snapshot if it checks out
+        job.record_start()          # 5. commit, acknowledge, say how the run started
+        job.decode()                # 6. until done, or until SIGTERM
+        return job.finish()         # 7. close the log, record the end of the run
+    except BaseException:
+        job.abandon()
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _run_rollout(workdir, spec, stop):
-    t_start = time.time()
-    log_path, snap_path = workdir / 'rollout.wal', workdir / 'kv.safetensors'
-    runs_path, tmp_path = workdir / 'runs.jsonl', workdir / 'kv.safetensors.tmp'
+def _job_changes(logged, asked):
+    """What differs between two jobs (job_fields dicts), as text."""
+    return '; '.join(f'{k} {logged.get(k)!r} in the log, {asked.get(k)!r} now'
+                     for k in sorted(set(logged) | set(asked))
+                     if logged.get(k) != asked.get(k))
 
-    # 1. Everything that can refuse the job, before anything is written.
-    if spec is not None and not isinstance(spec, RolloutSpec):
-        raise TypeError(f'spec must be a RolloutSpec or None, got '
-                        f'{type(spec).__name__}')
-    if log_path.exists():
-        state = recover_log(log_path)
-    else:
-        state = replay_records(*scan_log(b''))
-    if state.meta is not None:                  # the log's spec decides every token
-        try:
-            logged = RolloutSpec(**state.meta)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f'{log_path} holds an invalid spec: {e}') from e
-        if spec is None:
-            spec = logged
-        elif job_fields(spec) != job_fields(logged):
-            raise ValueError(f'spec {job_fields(spec)} differs from the one in '
-                             f'{log_path}: {job_fields(logged)}')
-    elif spec is None:
-        raise ValueError(f'{log_path} holds no spec (no run of this job got as far as '
-                         'writing one): pass spec=')
-    tasks, tok = arl.make_tasks(spec.split), arl.build_tokenizer(arl.make_tasks('all'))
-    if spec.n_tasks > len(tasks):
-        raise ValueError(f'n_tasks must be in 1..{len(tasks)} for split '
-                         f'{spec.split!r}, got {spec.n_tasks}')
-    n_requests = spec.n_tasks * spec.group_size
-    logging = spec.policy != 'none'
-    unfinished = [rid for rid in range(n_requests)
-                  if rid not in state.requests or state.requests[rid].finish is None]
-    if not logging and state.meta is not None and unfinished:
-        raise ValueError(f"policy 'none' keeps no log, so it cannot continue the "
-                         f'logged job in {workdir} ({len(unfinished)} requests '
-                         f'unfinished): use one of {DURABILITY_POLICIES}')
-    model = build_rollout_model(spec, tok)      # checks max_tokens against the model
-    device = model.head.weight.device
-    stop_ids = {tok.stoi[s] for s in arl.STOP_TOKENS}
-    step_args = (tok, spec.max_tokens, stop_ids)
-    durable = spec.policy in ('token', 'step')
 
-    # 2. Repair the folder: what a crash can leave half-written.
-    created = not workdir.exists()
-    workdir.mkdir(parents=True, exist_ok=True)
-    dir_syncs = 0
-    if created and durable:                          # the folder's own name, too
-        sync_dir(workdir.parent)
-        dir_syncs += 1
-    tmp_removed = tmp_path.exists()                  # a crash while saving a snapshot
-    if tmp_removed:
-        tmp_path.unlink()
-    runs_cut = _cut_torn_line(runs_path)             # a crash while writing runs.jsonl
-    _cut_torn_line(workdir / 'acks.txt')             # ... or acks.txt
-    run = sum('mode' in r for r in read_runs(workdir))
-    writer = None
-    if logging:
-        if log_path.exists() and log_path.stat().st_size > state.report['valid_end']:
-            # a torn tail: scan_log found no valid record in it
-            os.truncate(log_path, state.report['valid_end'])
-        writer = WalWriter(log_path, spec.policy)
-        dir_syncs += writer.dir_syncs
-        if state.meta is None:
-            writer.append(REC_META, json.dumps(asdict(spec)).encode())
+class _RolloutJob:
+    """One run of a rollout job in `workdir`: the state its phases share. run_rollout
+    calls the phases in order; each uses what the ones before it set."""
+    def __init__(self, workdir, recover, make_writer, stop):
+        self.workdir, self.recover, self.make_writer = workdir, recover, make_writer
+        self.stop, self.t_start = stop, time.time()    # stop: set by SIGTERM
+        self.log_path = workdir / 'rollout.wal'
+        self.snap_path = workdir / 'kv.safetensors'
+        self.runs_path = workdir / 'runs.jsonl'
+        self.writer, self.dir_syncs = None, 0
+        self.unacked = []          # (log offset, 'request:length ...') not yet durable
 
-    log = writer.append if logging else (lambda rtype, payload: None)
-
-    def force_pending(req):             # forced tokens need no model: log them at once
-        while req.pending and not req.env.done:
-            log(REC_FORCED, FORCED_PAYLOAD.pack(req.rid, len(req.ids), req.pending[0]))
-            req.advance(req.pending[0], False, 0.0, *step_args)
-
-    def finish(req):
-        outcome = OUTCOME_CODES.index(req.env.outcome)
-        log(REC_FINISH, FINISH_PAYLOAD.pack(req.rid, len(req.ids), req.reward, outcome,
-                                            req.env.turns))
-
-    # 3. Replay the log; start the requests it has never seen.
-    active, restored = [], 0
-    for rid in range(n_requests):
-        task_index = rid // spec.group_size
-        req = _Request(rid, task_index, tasks[task_index], arl.make_env(spec), tok)
-        logged = state.requests.get(rid)
-        if logged is None:
-            log(REC_START, START_PAYLOAD.pack(rid, task_index))
-        else:                         # replay the log through the same bookkeeping
-            for token, sampled, logp in zip(logged.tokens, logged.sampled, logged.logp):
-                req.advance(token, sampled, logp, *step_args)
-            restored += len(logged.tokens)
-            if logged.finish is not None:
-                continue
-        if not any(req.sampled):
-            # a new request starts by logging its prompt; one a crash cut short in the
-            # middle of its prompt (even after <bos> alone) logs the rest of it
-            force_pending(req)
-        if req.env.done:
-            finish(req)                      # it ended, but its finish record was lost
-        else:
-            active.append(req)
-
-    # 4. The KV cache of the unfinished requests: from the snapshot if it checks out.
-    t_kv, cache, lengths, snapshot = time.perf_counter(), None, None, None
-    mode = 'fresh' if state.meta is None else 'reprefill'
-    if snap_path.exists():
-        snapshot = 'not needed: nothing left to decode'
-        if active:
+    def admit(self, spec):
+        """1. Refuse the job, before anything is written, if it does not fit the split,
+        cannot continue the log, or is not the job in the log: the same spec (but its
+        runtime fields) and the same weights as decoded, the policy version."""
+        state = (self.recover(self.log_path) if self.log_path.exists()
+                 else replay_records(*scan_log(b'')))
+        logged = None
+        if state.meta is not None:                  # the log's job decides every token
             try:
-                cache, lengths, order, claims = load_kv_snapshot(snap_path, model,
-                                                                 spec.max_tokens)
-                by_id = {r.rid: r for r in active}
-                if claims['job'] != job_fields(spec):
-                    snapshot = 'another job'
-                elif claims['log_offset'] != state.report['valid_end']:
-                    snapshot = 'stale: the log does not end where it was taken'
-                elif sorted(order) != sorted(by_id) or any(
-                        int(n) != len(by_id[rid].ids) - 1
-                        for rid, n in zip(order, lengths.tolist())):
-                    snapshot = 'stale: the unfinished requests differ'
-                else:
-                    snapshot, mode = 'loaded', 'snapshot'
-                    active = [by_id[rid] for rid in order]
-            except SnapshotMismatch as e:        # damaged: as good as none
-                snapshot = str(e)
-            if mode != 'snapshot':
-                cache = None
-        snap_path.unlink()                       # used or not: never load it twice
-    if active and cache is None:
-        cache, lengths = prefill_ragged(model, [r.ids[:-1] for r in active],
-                                        spec.max_tokens)
-    kv_s = time.perf_counter() - t_kv
+                logged = logged_job(state.meta)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f'{self.log_path} holds an invalid spec: {e}') from e
+            spec = logged[0] if spec is None else spec
+        elif spec is None:
+            raise ValueError(f'{self.log_path} holds no spec (no run of this job got '
+                             'as far as writing one): pass spec=')
+        self.spec, self.state, self.logging = spec, state, spec.policy != 'none'
+        self._check_fit()
+        tok = arl.build_tokenizer(arl.make_tasks('all'))
+        self.model = build_rollout_model(spec, tok)  # checks max_tokens against it
+        self.job = job_fields(spec, arl.model_hash(self.model))
+        if logged is not None and self.job != job_fields(*logged):
+            raise ValueError(f'the job differs from the one in {self.log_path}: '
+                             f'{_job_changes(job_fields(*logged), self.job)}. A job is '
+                             'decoded by one spec and one policy version: restore '
+                             'them, or decode this as a new job in another folder')
+        self.tasks, self.tok = arl.make_tasks(spec.split), tok
+        self.step_args = (tok, spec.max_tokens, {tok.stoi[s] for s in arl.STOP_TOKENS})
 
-    def commit_and_ack(reqs):
-        if logging:
-            writer.commit()
-            _append_line(workdir / 'acks.txt', f'{time.time():.6f} {run} ' +
-                         ' '.join(f'{r.rid}:{len(r.ids)}' for r in reqs))
+    def _check_fit(self):
+        """The spec against the split's tasks, the log and the writer."""
+        spec, requests = self.spec, self.state.requests
+        n_tasks = len(arl.make_tasks(spec.split))
+        if spec.n_tasks > n_tasks:
+            raise ValueError(f'n_tasks must be in 1..{n_tasks} for split '
+                             f'{spec.split!r}, got {spec.n_tasks}')
+        unfinished = [rid for rid in range(spec.n_tasks * spec.group_size)
+                      if rid not in requests or requests[rid].finish is None]
+        if not self.logging and self.state.meta is not None and unfinished:
+            raise ValueError(f"policy 'none' keeps no log, so it cannot continue the "
+                             f'logged job in {self.workdir} ({len(unfinished)} '
+                             f'requests unfinished): use one of {DURABILITY_POLICIES}')
+        policies = getattr(self.make_writer, 'policies', DURABILITY_POLICIES)
+        if self.logging and spec.policy not in policies:
+            name = getattr(self.make_writer, '__name__', repr(self.make_writer))
+            raise ValueError(f'policy must be one of {policies} for the writer {name}, '
+                             f'got {spec.policy!r}')
 
-    commit_and_ack(active)
-    _append_line(runs_path, json.dumps(dict(
-        run=run, pid=os.getpid(), mode=mode, t_start=t_start, t_ready=time.time(),
-        restored_tokens=restored, unfinished=len(active), kv_s=kv_s, snapshot=snapshot,
-        snapshot_tmp_removed=tmp_removed, runs_torn_bytes=runs_cut,
-        corruptions=len(state.report['corruptions']),
-        torn_tail_bytes=state.report['torn_tail_bytes'],
-        orphans=state.report['orphans'])))
+    def repair_folder(self):
+        """2. Create the folder, or remove what a crash left half-written in it (a
+        snapshot's temporary file, a torn last line, the log's torn tail); open the
+        log and, for a new job, write the job into it."""
+        workdir, spec = self.workdir, self.spec
+        created = not workdir.exists()
+        workdir.mkdir(parents=True, exist_ok=True)
+        if created and spec.policy in ('token', 'step'):   # the folder's own name, too
+            sync_dir(workdir.parent)
+            self.dir_syncs += 1
+        tmp_path = workdir / 'kv.safetensors.tmp'
+        self.tmp_removed = tmp_path.exists()         # a crash while saving a snapshot
+        if self.tmp_removed:
+            tmp_path.unlink()
+        self.runs_cut = _cut_torn_line(self.runs_path)   # ... while writing runs.jsonl
+        _cut_torn_line(workdir / 'acks.txt')             # ... or acks.txt
+        self.run = sum('mode' in r for r in read_runs(workdir))
+        if not self.logging:
+            return
+        valid_end = self.state.report['valid_end']
+        if self.log_path.exists() and self.log_path.stat().st_size > valid_end:
+            os.truncate(self.log_path, valid_end)   # a torn tail: no valid record in it
+        self.writer = self.make_writer(self.log_path, spec.policy)
+        self.dir_syncs += self.writer.dir_syncs
+        if self.state.meta is None:
+            meta = dict(asdict(spec), weights_hash=self.job['weights_hash'])
+            self.writer.append(REC_META, json.dumps(meta).encode())
 
-    # 5. Decode.
-    status, decoded, steps = 'finished', 0, 0
-    min_margin, t_loop = float('inf'), time.perf_counter()
-    while active:
-        if stop:                        # preempted: commit, save the KV cache, leave
-            status = 'preempted'
-            if logging:
-                writer.commit()
-                save_kv_snapshot(snap_path, cache, lengths, [r.rid for r in active],
-                                 writer.durable, job_fields(spec))
-                dir_syncs += 1
-            break
+    def replay_log(self):
+        """3. Rebuild every logged request through the same bookkeeping as decoding (so
+        the environment's state is rebuilt too); start the requests the log has never
+        seen, and log the prompt of every request with no sampled token yet (all of it,
+        or the rest of one a crash cut short, even after <bos> alone)."""
+        spec, self.active, self.restored = self.spec, [], 0
+        for rid in range(spec.n_tasks * spec.group_size):
+            task_index = rid // spec.group_size
+            req = _Request(rid, task_index, self.tasks[task_index], arl.make_env(spec),
+                           self.tok)
+            logged = self.state.requests.get(rid)
+            if logged is None:
+                self.log(REC_START, START_PAYLOAD.pack(rid, task_index))
+            else:
+                for token, sampled, logp in zip(logged.tokens, logged.sampled,
+                                                logged.logp):
+                    req.advance(token, sampled, logp, *self.step_args)
+                self.restored += len(logged.tokens)
+                if logged.finish is not None:
+                    continue
+            if not any(req.sampled):
+                self.force_pending(req)
+            if req.env.done:
+                self.log_finish(req)         # it ended, but its finish record was lost
+            else:
+                self.active.append(req)
+
+    def log(self, rtype, payload):
+        if self.writer is not None:
+            self.writer.append(rtype, payload)
+
+    def force_pending(self, req):
+        """Log and take the request's forced tokens: they need no model."""
+        while req.pending and not req.env.done:
+            self.log(REC_FORCED, FORCED_PAYLOAD.pack(req.rid, len(req.ids),
+                                                     req.pending[0]))
+            req.advance(req.pending[0], False, 0.0, *self.step_args)
+
+    def log_finish(self, req):
+        outcome = OUTCOME_CODES.index(req.env.outcome)
+        self.log(REC_FINISH, FINISH_PAYLOAD.pack(req.rid, len(req.ids), req.reward,
+                                                 outcome, req.env.turns))
+
+    def restore_kv_cache(self):
+        """4. The KV cache of the unfinished requests: from the snapshot if it checks
+        out, else by a ragged prefill of their logged tokens. The snapshot is deleted,
+        used or not: it is never loaded twice."""
+        t_kv, self.cache, self.lengths = time.perf_counter(), None, None
+        self.snapshot = None
+        self.mode = 'fresh' if self.state.meta is None else 'reprefill'
+        if self.snap_path.exists():
+            self.snapshot = 'not needed: nothing left to decode'
+            if self.active:
+                self._load_snapshot()
+            self.snap_path.unlink()
+        if self.active and self.cache is None:
+            self.cache, self.lengths = prefill_ragged(
+                self.model, [r.ids[:-1] for r in self.active], self.spec.max_tokens)
+        self.kv_s = time.perf_counter() - t_kv
+
+    def _load_snapshot(self):
+        try:
+            cache, lengths, order, claims = load_kv_snapshot(
+                self.snap_path, self.model, self.spec.max_tokens)
+        except SnapshotMismatch as e:            # damaged: as good as none
+            self.snapshot = str(e)
+            return
+        self.snapshot = self._snapshot_mismatch(claims, order, lengths)
+        if self.snapshot is None:
+            by_id = {r.rid: r for r in self.active}
+            self.snapshot, self.mode = 'loaded', 'snapshot'
+            self.cache, self.lengths = cache, lengths
+            self.active = [by_id[rid] for rid in order]
+
+    def _snapshot_mismatch(self, claims, order, lengths):
+        """Why a readable snapshot does not fit this run (its policy version, its job,
+        the log's end, the unfinished requests and their lengths), or None."""
+        job = claims.get('job') or {}
+        if job.get('weights_hash') != self.job['weights_hash']:
+            return (f"other weights: taken with {job.get('weights_hash')}, the model "
+                    f"is {self.job['weights_hash']}")
+        if job != self.job:
+            return 'another job'
+        if claims['log_offset'] != self.state.report['valid_end']:
+            return 'stale: the log does not end where it was taken'
+        by_id = {r.rid: r for r in self.active}
+        if sorted(order) != sorted(by_id) or any(
+                int(n) != len(by_id[rid].ids) - 1
+                for rid, n in zip(order, lengths.tolist())):
+            return 'stale: the unfinished requests differ'
+        return None
+
+    def record_start(self):
+        """5. Commit what the restart logged, acknowledge it, and say in runs.jsonl how
+        this run started."""
+        self.commit_and_ack(self.active)
+        report = self.state.report
+        _append_line(self.runs_path, json.dumps(dict(
+            run=self.run, pid=os.getpid(), mode=self.mode, t_start=self.t_start,
+            t_ready=time.time(), restored_tokens=self.restored,
+            unfinished=len(self.active), kv_s=self.kv_s, snapshot=self.snapshot,
+            snapshot_tmp_removed=self.tmp_removed, runs_torn_bytes=self.runs_cut,
+            corruptions=len(report['corruptions']),
+            torn_tail_bytes=report['torn_tail_bytes'], orphans=report['orphans'],
+            weights_hash=self.job['weights_hash'])))
+
+    def commit_and_ack(self, reqs):
+        """Commit the log and acknowledge the lengths of `reqs` once the writer reports
+        them durable: at once for WalWriter, at a later commit (or at close) for a
+        writer that syncs in the background."""
+        if self.writer is None:
+            return
+        end = self.writer.commit()
+        self.unacked.append((end, ' '.join(f'{r.rid}:{len(r.ids)}' for r in reqs)))
+        self.ack_durable()
+
+    def ack_durable(self):
+        ready = [items for end, items in self.unacked if end <= self.writer.durable]
+        if ready:
+            del self.unacked[:len(ready)]
+            _append_line(self.workdir / 'acks.txt',
+                         f'{time.time():.6f} {self.run} ' + ' '.join(ready))
+
+    def decode(self):
+        """6. Decode until every request has finished, or preempt at SIGTERM."""
+        self.status, self.decoded, self.steps = 'finished', 0, 0
+        self.min_margin, t_loop = float('inf'), time.perf_counter()
+        while self.active:
+            if self.stop:
+                self.preempt()
+                break
+            self.step()
+            if self.spec.step_sleep_s:
+                time.sleep(self.spec.step_sleep_s)
+        self.decode_s = time.perf_counter() - t_loop
+
+    def step(self):
+        """One decoding step: every unfinished request's next token, sampled or forced,
+        logged; the environment acts on a finished turn; finished requests leave the
+        batch and the cache."""
+        active, spec = self.active, self.spec
+        device = self.model.head.weight.device
         newest = torch.tensor([r.ids[-1] for r in active], device=device)       # [A]
-        logits = decode_step_ragged(model, cache, lengths, newest)              # [A, V]
+        # [A, V]: the next-token logits of every unfinished request
+        logits = decode_step_ragged(self.model, self.cache, self.lengths, newest)
         rows = [i for i, r in enumerate(active) if not r.pending]
         seeds = [counter_seed(spec.seed, active[i].rid, len(active[i].ids))
                  for i in rows]
@@ -858,50 +1071,81 @@ def _run_rollout(workdir, spec, stop):
         for i, req in enumerate(active):
             if i in drawn:
                 token, logp = drawn[i]
-                log(REC_TOKEN, TOKEN_PAYLOAD.pack(req.rid, len(req.ids), token, logp))
-                req.advance(token, True, logp, *step_args)
+                self.log(REC_TOKEN, TOKEN_PAYLOAD.pack(req.rid, len(req.ids), token,
+                                                       logp))
+                req.advance(token, True, logp, *self.step_args)
             else:
-                log(REC_FORCED, FORCED_PAYLOAD.pack(req.rid, len(req.ids),
-                                                    req.pending[0]))
-                req.advance(req.pending[0], False, 0.0, *step_args)
+                self.log(REC_FORCED, FORCED_PAYLOAD.pack(req.rid, len(req.ids),
+                                                         req.pending[0]))
+                req.advance(req.pending[0], False, 0.0, *self.step_args)
             if req.env.done:
-                finish(req)
-        decoded += len(active)
-        steps += 1
+                self.log_finish(req)
+        self.decoded += len(active)
+        self.steps += 1
         if len(margins):
-            min_margin = min(min_margin, float(margins.min()))
-        commit_and_ack(active)
+            self.min_margin = min(self.min_margin, float(margins.min()))
+        self.commit_and_ack(active)
         keep = [i for i, r in enumerate(active) if not r.env.done]
         if len(keep) < len(active):
             index = torch.tensor(keep, dtype=torch.long, device=device)
-            cache.keep(index)
-            lengths = lengths[index]
-            active = [active[i] for i in keep]
-        if spec.step_sleep_s:
-            time.sleep(spec.step_sleep_s)
-    decode_s = time.perf_counter() - t_loop
-    if logging:
-        writer.close()
-    summary = dict(run=run, status=status, mode=mode, restored_tokens=restored,
-                   decoded_tokens=decoded, steps=steps, decode_s=decode_s, kv_s=kv_s,
-                   syncs=writer.syncs if logging else 0, dir_syncs=dir_syncs,
-                   snapshot=snapshot, min_margin=min_margin, report=state.report)
-    _append_line(runs_path, json.dumps(dict(
-        run=run, status=status, t_end=time.time(), decoded_tokens=decoded,
-        min_margin=min_margin)))
-    return summary
+            self.cache.keep(index)
+            self.lengths = self.lengths[index]
+            self.active = [active[i] for i in keep]
+
+    def preempt(self):
+        """SIGTERM: close the log (all of it durable), then save the KV cache of the
+        unfinished requests, claiming the log's end and the job (with its policy
+        version)."""
+        self.status = 'preempted'
+        if self.writer is None:
+            return
+        self.writer.close()
+        self.ack_durable()
+        save_kv_snapshot(self.snap_path, self.cache, self.lengths,
+                         [r.rid for r in self.active], self.writer.durable, self.job)
+        self.dir_syncs += 1
+
+    def finish(self):
+        """7. Close the log (all of it durable), acknowledge the rest, and record the
+        end of the run -> the summary."""
+        if self.writer is not None:
+            self.writer.close()
+            self.ack_durable()
+        _append_line(self.runs_path, json.dumps(dict(
+            run=self.run, status=self.status, t_end=time.time(),
+            decoded_tokens=self.decoded, min_margin=self.min_margin)))
+        return dict(run=self.run, status=self.status, mode=self.mode,
+                    restored_tokens=self.restored, decoded_tokens=self.decoded,
+                    steps=self.steps, decode_s=self.decode_s, kv_s=self.kv_s,
+                    syncs=self.writer.syncs if self.writer else 0,
+                    dir_syncs=self.dir_syncs, snapshot=self.snapshot,
+                    min_margin=self.min_margin, weights_hash=self.job['weights_hash'],
+                    report=self.state.report)
+
+    def abandon(self):
+        """After an error: drop what was never committed (never acknowledged, so a
+        restart decodes it again) and close the log, so that no descriptor, and no
+        flusher process of a GroupCommitWriter, outlives the run. Writes nothing."""
+        if self.writer is None or self.writer.fd is None:
+            return
+        self.writer.pending.clear()
+        try:
+            self.writer.close()
+        except (OSError, RuntimeError, ValueError):
+            pass                           # the error being raised matters more
 
 
 def read_trajectories(workdir):
     """The finished rollout in workdir -> list of chapter 4's Trajectory, in request
-    order. Raises ValueError if the log is missing or holds an unfinished request."""
+    order, each with the policy version it was sampled from (info['weights_hash']).
+    Raises ValueError if the log is missing or holds an unfinished request."""
     path = Path(workdir) / 'rollout.wal'
     if not path.exists():
         raise ValueError(f"{workdir} holds no log (policy 'none' keeps none)")
     state = recover_log(path)
     if state.meta is None:
         raise ValueError(f'{workdir}: the log holds no spec')
-    spec = RolloutSpec(**state.meta)
+    spec, weights_hash = logged_job(state.meta)
     tasks = arl.make_tasks(spec.split)
     trajs = []
     for rid in range(spec.n_tasks * spec.group_size):
@@ -912,7 +1156,7 @@ def read_trajectories(workdir):
         reward, outcome, turns = req.finish
         task = tasks[req.task]
         info = dict(task=task.name, family=task.family, group=req.task, outcome=outcome,
-                    turns=turns, request=rid)
+                    turns=turns, request=rid, weights_hash=weights_hash)
         trajs.append(arl.Trajectory(
             ids=torch.tensor(req.tokens),
             action_mask=torch.tensor(req.sampled[1:]).float(),
@@ -920,27 +1164,30 @@ def read_trajectories(workdir):
     return trajs
 
 
-def _rollout_child(workdir, spec):
+def _rollout_child(workdir, spec, parts):
     # a worker process of its own; for a tiny model, threads only add overhead
     torch.set_num_threads(1)
-    result = run_rollout(workdir, None if spec is None else RolloutSpec(**spec))
+    result = run_rollout(workdir, None if spec is None else RolloutSpec(**spec),
+                         **parts)
     sys.exit(0 if result['status'] == 'finished' else EXIT_PREEMPTED)
 
 
-def launch_rollout(workdir, spec=None):
-    """Start run_rollout(workdir, spec) in a child process -> multiprocessing.Process
-    (.pid, .join, .exitcode).
+def launch_rollout(workdir, spec=None, *, recover=recover_log, writer=WalWriter):
+    """Start run_rollout(workdir, spec, recover=recover, writer=writer) in a child
+    process -> multiprocessing.Process (.pid, .join, .exitcode).
 
     The child comes from a fork server that imported agentrl (and torch) once, so
     starting one costs milliseconds instead of the seconds a fresh interpreter needs; it
-    is a real process that a signal can stop.
+    is a real process that a signal can stop. recover and writer reach it by name, as
+    pickle sends them: module-level functions and classes.
     """
     if spec is not None and not isinstance(spec, RolloutSpec):
         raise TypeError(f'spec must be a RolloutSpec or None, got '
                         f'{type(spec).__name__}')
     ctx = multiprocessing.get_context('forkserver')
     ctx.set_forkserver_preload(['agentrl'])
-    args = (str(workdir), None if spec is None else asdict(spec))
+    args = (str(workdir), None if spec is None else asdict(spec),
+            dict(recover=recover, writer=writer))
     proc = ctx.Process(target=_rollout_child, args=args)
     proc.start()
     return proc
@@ -1026,10 +1273,16 @@ __all__ = [
     'EXIT_PREEMPTED',
     'ROLLOUT_MODELS',
     'ROLLOUT_DTYPES',
+    'WEIGHT_FORMATS',
     'RolloutSpec',
     'check_rollout_spec',
     'SPEC_RUNTIME_FIELDS',
     'job_fields',
+    'logged_job',
+    'TINYAGENT_CONFIG',
+    'save_rollout_weights',
+    'load_rollout_weights',
+    'round_weights',
     'build_rollout_model',
     'read_runs',
     'run_rollout',

@@ -6,6 +6,8 @@ exception in this one, which leaves the files exactly as a kill would, or a SIGT
 process sends itself at a chosen decoding step). The wrappers touch only names that the
 engine looks up at call time (WalWriter.append, decode_step_ragged, _append_line,
 safetensors' save_file, run_rollout), so the same tests also run against older engines.
+The tests that restart a job run it with both of the log's reader/writer pairs: chapter
+18's (recover_log, WalWriter) and chapter 19's (recover_log_fast, GroupCommitWriter).
 """
 import json
 import os
@@ -31,6 +33,19 @@ SPEC = dict(model='random', split='heldout', n_tasks=4, group_size=3, max_tokens
 
 def spec(**changes):
     return arl.RolloutSpec(**dict(SPEC, **changes))
+
+
+# The log's parts run_rollout takes: chapter 18's reader and writer, and chapter 19's
+# vectorised reader and group-commit writer (policy 'step' only).
+PARTS = {'ch18': dict(recover=arl.recover_log, writer=arl.WalWriter),
+         'ch19': dict(recover=arl.recover_log_fast, writer=arl.GroupCommitWriter)}
+
+
+@pytest.fixture(params=sorted(PARTS))
+def parts(request):
+    """The keyword arguments of one reader/writer pair, for run_rollout and
+    launch_rollout: a test that takes this fixture runs once with each pair."""
+    return PARTS[request.param]
 
 
 class Crash(BaseException):
@@ -95,11 +110,11 @@ def crash_at_step(monkeypatch, k):
     at_step(monkeypatch, k, crash)
 
 
-def preempted_folder(tmp_path, monkeypatch, k=6, policy='step'):
+def preempted_folder(tmp_path, monkeypatch, k=6, policy='step', parts=None):
     """A folder in which the job was preempted at step k: log + KV snapshot."""
     folder = tmp_path / 'preempted'
     preempt_at_step(monkeypatch, k)
-    result = arl.run_rollout(folder, spec(policy=policy))
+    result = arl.run_rollout(folder, spec(policy=policy), **(parts or {}))
     monkeypatch.undo()
     assert result['status'] == 'preempted' and (folder / 'kv.safetensors').exists()
     return folder
@@ -154,7 +169,7 @@ def test_killed_right_after_the_first_token_of_a_request_resumes(tmp_path, refer
     assert_same(arl.read_trajectories(tmp_path), reference)
 
 
-def test_log_truncated_after_a_first_token_resumes(tmp_path, reference):
+def test_log_truncated_after_a_first_token_resumes(tmp_path, reference, parts):
     """The same state made by truncating a finished log right after the record of
     position 0 of a request: the restart logs the rest of its prompt and finishes."""
     source = tmp_path / 'source'
@@ -170,7 +185,7 @@ def test_log_truncated_after_a_first_token_resumes(tmp_path, reference):
         (folder / 'rollout.wal').write_bytes(
             data[:offset + arl.RECORD_HEADER.size + len(payload)])
         assert len(arl.recover_log(folder / 'rollout.wal').requests[rid].tokens) == 1
-        assert arl.run_rollout(folder, spec())['status'] == 'finished'
+        assert arl.run_rollout(folder, spec(), **parts)['status'] == 'finished'
         assert_same(arl.read_trajectories(folder), reference)
 
 
@@ -184,11 +199,12 @@ def safetensors_layout(data):
     return json.loads(data[8:8 + n]), 8 + n
 
 
-def test_damaged_kv_snapshot_falls_back_to_reprefill(tmp_path, monkeypatch, reference):
+def test_damaged_kv_snapshot_falls_back_to_reprefill(tmp_path, monkeypatch, reference,
+                                                     parts):
     """One flipped bit in the K or V data (or anywhere else in the snapshot) is caught by
     its checksum: the restart re-prefills, says so in runs.jsonl, and ends equal to the
     uninterrupted run. An intact snapshot is still used."""
-    folder = preempted_folder(tmp_path, monkeypatch)
+    folder = preempted_folder(tmp_path, monkeypatch, parts=parts)
     snap = (folder / 'kv.safetensors').read_bytes()
     header, base = safetensors_layout(snap)
     n_layers = sum(name.startswith('k') for name in header if name != '__metadata__')
@@ -211,7 +227,7 @@ def test_damaged_kv_snapshot_falls_back_to_reprefill(tmp_path, monkeypatch, refe
         elif where is not None:
             bad[where] ^= 0x40
         (copy / 'kv.safetensors').write_bytes(bytes(bad))
-        result = arl.run_rollout(copy, spec())
+        result = arl.run_rollout(copy, spec(), **parts)
         line = start_lines(copy)[-1]
         if name == 'intact':
             assert (result['mode'], result['snapshot'], line['snapshot']) == (
@@ -225,9 +241,9 @@ def test_damaged_kv_snapshot_falls_back_to_reprefill(tmp_path, monkeypatch, refe
 
 
 def test_snapshot_of_another_log_position_or_job_is_not_used(tmp_path, monkeypatch,
-                                                             reference):
+                                                             reference, parts):
     """What the snapshot claims to match is checked too: the log's end and the job."""
-    folder = preempted_folder(tmp_path, monkeypatch)
+    folder = preempted_folder(tmp_path, monkeypatch, parts=parts)
     path = folder / 'kv.safetensors'
     cache, lengths, requests, claims = arl.load_kv_snapshot(
         path, W.build_rollout_model(spec(), arl.build_tokenizer(arl.make_tasks('all'))),
@@ -238,7 +254,7 @@ def test_snapshot_of_another_log_position_or_job_is_not_used(tmp_path, monkeypat
         copy.mkdir()
         (copy / 'rollout.wal').write_bytes((folder / 'rollout.wal').read_bytes())
         arl.save_kv_snapshot(copy / 'kv.safetensors', cache, lengths, requests, offset, job)
-        result = arl.run_rollout(copy, spec())
+        result = arl.run_rollout(copy, spec(), **parts)
         assert result['mode'] == 'reprefill' and result['snapshot'] != 'loaded'
         assert_same(arl.read_trajectories(copy), reference)
 
@@ -248,7 +264,7 @@ def test_snapshot_of_another_log_position_or_job_is_not_used(tmp_path, monkeypat
 # ----------------------------------------------------------------------------------------
 
 def test_flipped_length_bit_in_the_last_block_truncates_nothing(tmp_path, monkeypatch,
-                                                                reference):
+                                                                reference, parts):
     """A flipped bit makes a record's length run past the end of the file. LevelDB's rule
     takes it for a torn write, and the restart used to cut every intact, checksummed,
     acknowledged record after it. Now the reader finds the records after it: the damage is
@@ -256,7 +272,7 @@ def test_flipped_length_bit_in_the_last_block_truncates_nothing(tmp_path, monkey
     folder = tmp_path / 'job'
     crash_at_step(monkeypatch, 30)                       # a run killed in mid-decoding
     with pytest.raises(Crash):
-        arl.run_rollout(folder, spec(policy='step'))
+        arl.run_rollout(folder, spec(policy='step'), **parts)
     monkeypatch.undo()
     data = bytearray((folder / 'rollout.wal').read_bytes())
     size = len(data)
@@ -280,7 +296,7 @@ def test_flipped_length_bit_in_the_last_block_truncates_nothing(tmp_path, monkey
     for rid, n in acked_lengths(folder).items():         # acknowledged: still there
         have = len(state.requests[rid].tokens)
         assert have >= n if rid != victim_rid else have == victim_position
-    result = arl.run_rollout(folder, spec(policy='step'))
+    result = arl.run_rollout(folder, spec(policy='step'), **parts)
     after = (folder / 'rollout.wal').read_bytes()
     assert after[victim_end:size] == bytes(data[victim_end:size])   # nothing was cut
     assert result['status'] == 'finished' and len(result['report']['corruptions']) == 1
@@ -319,7 +335,7 @@ def test_resynchronising_finds_no_records_in_random_bytes():
     assert len(report['corruptions']) >= 8               # at least one per block
 
 
-def test_a_real_torn_tail_is_still_cut_silently(tmp_path, reference):
+def test_a_real_torn_tail_is_still_cut_silently(tmp_path, reference, parts):
     """The stricter rule changes nothing for a true torn write: a record cut off by the
     end of the file, with nothing valid after it."""
     source = tmp_path / 'source'
@@ -328,7 +344,7 @@ def test_a_real_torn_tail_is_still_cut_silently(tmp_path, reference):
     folder = tmp_path / 'torn'
     folder.mkdir()
     (folder / 'rollout.wal').write_bytes(data[:-30])
-    result = arl.run_rollout(folder, spec())
+    result = arl.run_rollout(folder, spec(), **parts)
     assert result['report']['corruptions'] == [] and result['report']['torn_tail_bytes'] > 0
     assert_same(arl.read_trajectories(folder), reference)
 
@@ -369,13 +385,13 @@ def test_corrected_restart_after_a_refused_spec(tmp_path, reference):
 # 5. Run bookkeeping
 # ----------------------------------------------------------------------------------------
 
-def test_torn_last_line_of_runs_jsonl(tmp_path, monkeypatch, reference):
+def test_torn_last_line_of_runs_jsonl(tmp_path, monkeypatch, reference, parts):
     """The process dies inside the write of its last runs.jsonl line: half a line, no
     newline. Restarts used to fail with JSONDecodeError."""
     folder = tmp_path / 'job'
     crash_at_step(monkeypatch, 12)
     with pytest.raises(Crash):
-        arl.run_rollout(folder, spec())
+        arl.run_rollout(folder, spec(), **parts)
     monkeypatch.undo()
     append = W._append_line
 
@@ -388,10 +404,10 @@ def test_torn_last_line_of_runs_jsonl(tmp_path, monkeypatch, reference):
     preempt_at_step(monkeypatch, 6)
     monkeypatch.setattr(W, '_append_line', torn_write)
     with pytest.raises(Crash):
-        arl.run_rollout(folder, spec())
+        arl.run_rollout(folder, spec(), **parts)
     monkeypatch.undo()
     assert not (folder / 'runs.jsonl').read_text().endswith('\n')
-    result = arl.run_rollout(folder, spec())
+    result = arl.run_rollout(folder, spec(), **parts)
     assert result['status'] == 'finished' and result['run'] == 2
     lines = (folder / 'runs.jsonl').read_text().splitlines()
     assert all(json.loads(line) for line in lines)      # every line parses again
@@ -425,7 +441,7 @@ def test_policy_none_does_not_claim_an_unfinished_logged_job(tmp_path, monkeypat
         arl.read_trajectories(unlogged)
 
 
-def test_leftover_snapshot_tmp_is_removed(tmp_path, monkeypatch, reference):
+def test_leftover_snapshot_tmp_is_removed(tmp_path, monkeypatch, reference, parts):
     """Killed while writing the snapshot (after save_file, before the rename): the restart
     removes kv.safetensors.tmp, says so, and re-prefills."""
     import safetensors.torch
@@ -438,11 +454,11 @@ def test_leftover_snapshot_tmp_is_removed(tmp_path, monkeypatch, reference):
     preempt_at_step(monkeypatch, 8)
     monkeypatch.setattr(safetensors.torch, 'save_file', save_then_die)
     with pytest.raises(Crash):
-        arl.run_rollout(folder, spec())
+        arl.run_rollout(folder, spec(), **parts)
     monkeypatch.undo()
     assert (folder / 'kv.safetensors.tmp').exists()
     assert not (folder / 'kv.safetensors').exists()
-    result = arl.run_rollout(folder, spec())
+    result = arl.run_rollout(folder, spec(), **parts)
     assert not (folder / 'kv.safetensors.tmp').exists()
     assert result['mode'] == 'reprefill' and start_lines(folder)[-1]['snapshot_tmp_removed']
     assert_same(arl.read_trajectories(folder), reference)
@@ -478,11 +494,11 @@ def test_sigterm_before_the_handler_is_not_called_graceful(tmp_path):
     assert not (tmp_path / 'kv.safetensors').exists()
 
 
-def test_preempt_outcomes_follow_the_exit_code(tmp_path, reference):
-    proc = arl.launch_rollout(tmp_path / 'done', spec())
+def test_preempt_outcomes_follow_the_exit_code(tmp_path, reference, parts):
+    proc = arl.launch_rollout(tmp_path / 'done', spec(), **parts)
     proc.join()
     assert arl.preempt_rollout(proc) == 'finished'       # it ended before the signal
-    proc = arl.launch_rollout(tmp_path / 'slow', spec(step_sleep_s=0.05))
+    proc = arl.launch_rollout(tmp_path / 'slow', spec(step_sleep_s=0.05), **parts)
     while not (tmp_path / 'slow' / 'acks.txt').exists() and proc.exitcode is None:
         time.sleep(0.002)                        # polls: the signal's moment does not matter
     assert arl.preempt_rollout(proc, grace_s=60) == 'graceful'

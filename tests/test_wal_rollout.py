@@ -452,3 +452,141 @@ def test_command_line_preempt_and_resume(tmp_path, reference):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)['mode'] == 'snapshot'
     assert_same(arl.read_trajectories(tmp_path), reference)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The policy version: a weights file, its numeric format, and the hash the job records
+# ----------------------------------------------------------------------------------------------------
+
+def preempt_at_step(monkeypatch, k):
+    """SIGTERM to this process right after the k-th decoding step's forward pass: the engine
+    preempts at the step boundary (signal.raise_signal runs the handler before it returns)."""
+    from agentrl import wal_rollout as W
+    step, calls = W.decode_step_ragged, []
+
+    def wrapped(*args, **kwargs):
+        out = step(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == k:
+            signal.raise_signal(signal.SIGTERM)
+        return out
+    monkeypatch.setattr(W, 'decode_step_ragged', wrapped)
+
+
+def small_agent(seed=0):
+    torch.manual_seed(seed)
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+    return arl.TinyAgent(len(tok), d_model=32, n_layers=2, n_heads=2, max_len=48)
+
+
+def weights_spec(path, **changes):
+    return spec(**dict(dict(model=str(path), step_sleep_s=0.0, temperature=1.3), **changes))
+
+
+def test_weights_file_changed_between_runs_is_refused(tmp_path, monkeypatch):
+    """A job preempted, then restarted after its weights file changed: refused, naming both
+    hashes, with the folder untouched; restarted with the same weights: it resumes from its
+    snapshot. Another weight_format is refused the same way."""
+    path = tmp_path / 'agent.safetensors'
+    arl.save_rollout_weights(path, small_agent())
+    reference = tmp_path / 'reference'
+    ref = arl.run_rollout(reference, weights_spec(path))
+    folder = tmp_path / 'job'
+    preempt_at_step(monkeypatch, 5)
+    assert arl.run_rollout(folder, weights_spec(path))['status'] == 'preempted'
+    monkeypatch.undo()
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    changed = small_agent()
+    with torch.no_grad():
+        changed.head.weight[0, 0] += 1e-3                 # one weight, a little
+    arl.save_rollout_weights(path, changed)
+    other = arl.model_hash(arl.build_rollout_model(weights_spec(path), arl.build_tokenizer(
+        arl.make_tasks('all'))))
+    for changes in ({}, dict(weight_format='mxfp8')):
+        with pytest.raises(ValueError, match='weights_hash') as refused:
+            arl.run_rollout(folder, weights_spec(path, **changes))
+        assert ref['weights_hash'] in str(refused.value)
+        if not changes:
+            assert other in str(refused.value) and other != ref['weights_hash']
+    with pytest.raises(ValueError, match=ref['weights_hash']):
+        arl.run_rollout(folder)                                    # the log's spec
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    arl.save_rollout_weights(path, small_agent())                   # the same weights again
+    result = arl.run_rollout(folder)
+    assert result['mode'] == 'snapshot' and result['weights_hash'] == ref['weights_hash']
+    assert_same(arl.read_trajectories(folder), arl.read_trajectories(reference))
+
+
+def test_snapshot_taken_with_other_weights_is_not_loaded(tmp_path, monkeypatch):
+    """A snapshot whose claims carry another weights hash (all else equal) is not loaded: the
+    restart re-prefills, says why, and ends as the uninterrupted run does."""
+    reference = tmp_path / 'reference'
+    arl.run_rollout(reference, spec(step_sleep_s=0.0))
+    folder = tmp_path / 'job'
+    preempt_at_step(monkeypatch, 5)
+    arl.run_rollout(folder, spec(step_sleep_s=0.0))
+    monkeypatch.undo()
+    path = folder / 'kv.safetensors'
+    model = arl.build_rollout_model(spec(), arl.build_tokenizer(arl.make_tasks('all')))
+    cache, lengths, requests, claims = arl.load_kv_snapshot(path, model, SPEC['max_tokens'])
+    assert claims['job']['weights_hash'] == arl.model_hash(model)
+    assert claims['job']['weight_format'] == 'float32'
+    job = dict(claims['job'], weights_hash='0123456789abcdef')
+    arl.save_kv_snapshot(path, cache, lengths, requests, claims['log_offset'], job)
+    result = arl.run_rollout(folder, spec(step_sleep_s=0.0))
+    assert result['mode'] == 'reprefill' and result['snapshot'].startswith('other weights')
+    assert '0123456789abcdef' in result['snapshot'] and not path.exists()
+    assert_same(arl.read_trajectories(folder), arl.read_trajectories(reference))
+
+
+def test_mxfp4_weights_file_decodes_the_quantized_model(tmp_path, monkeypatch):
+    """A weights file decoded in MXFP4: the log's job names the format and the hash of the
+    weights as decoded; a preempted and resumed run gives the uninterrupted run's episodes, and
+    those equal the episodes of chapter 16's quantize_model(model, 'mxfp4'), its dequantised
+    weights saved and decoded unrounded."""
+    model = small_agent(1)
+    path = tmp_path / 'agent.safetensors'
+    arl.save_rollout_weights(path, model)
+    quantized = arl.quantize_model(model, 'mxfp4')
+    plain = small_agent(1)
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if isinstance(module, arl.QuantizedLinear):
+                plain.get_submodule(name).weight.copy_(module.weight)
+    float_path = tmp_path / 'dequantized.safetensors'
+    arl.save_rollout_weights(float_path, plain)
+
+    job = weights_spec(path, weight_format='mxfp4', dtype='float32')
+    whole = arl.run_rollout(tmp_path / 'whole', job)
+    meta = arl.recover_log(tmp_path / 'whole' / 'rollout.wal').meta
+    assert meta['weight_format'] == 'mxfp4' and meta['weights_hash'] == whole['weights_hash']
+    assert whole['weights_hash'] == arl.model_hash(plain)            # the model as decoded
+    unrounded = arl.run_rollout(tmp_path / 'float32', weights_spec(path, dtype='float32'))
+    assert unrounded['weights_hash'] != whole['weights_hash']
+    preempt_at_step(monkeypatch, 7)
+    assert arl.run_rollout(tmp_path / 'resumed', job)['status'] == 'preempted'
+    monkeypatch.undo()
+    assert arl.run_rollout(tmp_path / 'resumed')['mode'] == 'snapshot'
+    trajs = arl.read_trajectories(tmp_path / 'whole')
+    assert_same(arl.read_trajectories(tmp_path / 'resumed'), trajs)
+    arl.run_rollout(tmp_path / 'float-path', weights_spec(float_path, dtype='float32'))
+    assert_same(arl.read_trajectories(tmp_path / 'float-path'), trajs)
+    assert trajs[0].info['weights_hash'] == whole['weights_hash']
+
+
+def test_weights_file_and_format_are_checked(tmp_path):
+    with pytest.raises(ValueError, match='weight_format'):
+        spec(weight_format='int3')
+    with pytest.raises(ValueError, match='model'):
+        spec(model='agent.pt')
+    assert spec(model=tmp_path / 'a.safetensors').model == str(tmp_path / 'a.safetensors')
+    missing = tmp_path / 'missing.safetensors'
+    with pytest.raises(ValueError, match='model'):
+        arl.run_rollout(tmp_path / 'job', weights_spec(missing))
+    assert not (tmp_path / 'job').exists()
+    with pytest.raises(TypeError, match='model'):
+        arl.save_rollout_weights(tmp_path / 'q.safetensors',
+                                 arl.quantize_model(small_agent(), 'mxfp4'))
+    with pytest.raises(ValueError, match='policy'):             # group commit is 'step' only
+        arl.run_rollout(tmp_path / 'job', spec(policy='token'), writer=arl.GroupCommitWriter)
+    assert not (tmp_path / 'job').exists()

@@ -144,3 +144,23 @@ def test_missing_zh_is_an_error_unless_asked(book, capsys):
 ])
 def test_untranslated_heuristic(text, expected):
     assert sync.untranslated(text) is expected
+
+
+def test_check_catches_line_breaks_inside_chinese_text_and_join_fixes_them(book, capsys):
+    broken = "我们看到这个值是一，\n正如文档所说。\n\n```python\n中\n文\n```\n$$\n中\n文\n$$"
+    edit(book.folder / "zh.ipynb", "prose", source=broken)
+    rc, err = check(book, capsys)
+    assert rc == 1 and "cell prose: 1 line break(s) between Chinese characters" in err
+    assert sync.main(book.root, join_cjk=True) == 0
+    joined = next(c for c in read_nb(book.folder / "zh.ipynb").cells if c.id == "prose")
+    assert joined.source == broken.replace("一，\n正", "一，正", 1)   # code and math kept
+    assert check(book, capsys) == (0, "")
+
+
+@pytest.mark.parametrize("text, breaks", [
+    ("中文\n中文", 1), ("中文\n\n中文", 0), ("中文\nEnglish", 0), ("English\n中文", 0),
+    ("句子。\n下一句", 1), ("`代码`\n中文", 0), ("```\n中\n文\n```", 0), ("$$\n中\n文\n$$", 0),
+])
+def test_cjk_breaks_counts_only_prose_newlines_between_cjk(text, breaks):
+    assert sync.cjk_breaks(text) == breaks
+    assert sync.cjk_breaks(sync.join_cjk_breaks(text)) == 0

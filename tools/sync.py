@@ -3,6 +3,7 @@
     python tools/sync.py [CHAPTER ...]                 # copy code cells (with outputs) en -> zh
     python tools/sync.py --check [CHAPTER ...]         # write nothing; exit 1 on any difference
     python tools/sync.py --add-missing [CHAPTER ...]   # also add to-translate stubs to zh
+    python tools/sync.py --join-cjk [CHAPTER ...]      # join lines broken inside Chinese text
 
 Cells are paired by their nbformat 4.5 `id`: `zh.ipynb` has the same cells as `en.ipynb` in the
 same order; code (and raw) cells are copies, markdown cells are translations. The English
@@ -32,6 +33,11 @@ NOT_PROSE = [
     re.compile(r"\]\([^)]*\)|<[^>]+>|https?://\S+"),            # link targets, HTML, bare URLs
 ]
 MIN_WORDS = 3  # English words (3+ letters) that make an unchanged cell count as untranslated
+# A browser renders a newline inside a paragraph as a space: between two Chinese characters that
+# is a stray gap ("更新函数的 更新"), so Chinese prose keeps each paragraph on one line.
+CJK_BREAK = re.compile(f"(?<={CJK_RE.pattern})\n(?={CJK_RE.pattern})")
+# Where a newline is not prose: fenced code and directives, display math.
+VERBATIM = re.compile(r"```.*?```|~~~.*?~~~|\$\$.*?\$\$", re.S)
 
 
 def untranslated(text: str) -> bool:
@@ -45,6 +51,26 @@ def untranslated(text: str) -> bool:
     for pattern in NOT_PROSE:
         text = pattern.sub(" ", text)
     return len(re.findall(r"[A-Za-z]{3,}", text)) >= MIN_WORDS
+
+
+def _prose_pieces(text: str) -> list[tuple[bool, str]]:
+    """Split markdown into (is_prose, piece): fenced blocks and display math are not prose."""
+    pieces, pos = [], 0
+    for m in VERBATIM.finditer(text):
+        pieces += [(True, text[pos:m.start()]), (False, m.group())]
+        pos = m.end()
+    return pieces + [(True, text[pos:])]
+
+
+def cjk_breaks(text: str) -> int:
+    """How many newlines of `text`'s prose stand between two CJK characters."""
+    return sum(len(CJK_BREAK.findall(piece)) for prose, piece in _prose_pieces(text) if prose)
+
+
+def join_cjk_breaks(text: str) -> str:
+    """`text` with every newline between two CJK characters of its prose removed."""
+    return "".join(CJK_BREAK.sub("", piece) if prose else piece
+                   for prose, piece in _prose_pieces(text))
 
 
 def copied(cell) -> bool:
@@ -96,6 +122,9 @@ def check_chapter(chapter: Path, root: Path) -> list[str]:
             problems.append(f"{zh_name}: cell {cid}: still marked {TODO}")
         elif zh_cell.source == en_cell.source and untranslated(zh_cell.source):
             problems.append(f"{zh_name}: cell {cid}: untranslated (identical to the English cell)")
+        elif cjk_breaks(zh_cell.source):
+            problems.append(f"{zh_name}: cell {cid}: {cjk_breaks(zh_cell.source)} line break(s) "
+                            "between Chinese characters render as spaces (`--join-cjk` joins them)")
     for cid, zh_cell in zh_cells.items():
         if cid not in en_cells:
             problems.append(f"{zh_name}: cell {cid}: stale ({zh_cell.cell_type} cell not in en.ipynb)")
@@ -140,20 +169,35 @@ def sync_chapter(chapter: Path, root: Path, add_missing: bool = False) -> bool:
         raise ToolError(f"{rel(zh_path, root)}: no Chinese cell for English markdown cell(s) "
                         f"{', '.join(missing)}; add them (`--add-missing` adds stubs to translate)")
     zh.cells = cells
-    # The kernel and language follow the English notebook; other zh metadata (if any) stays.
-    for key in ("kernelspec", "language_info"):
+    # The kernel, language and run record (tools/execute.py) follow the English notebook; other
+    # zh metadata (if any) stays.
+    for key in ("kernelspec", "language_info", "agentrl"):
         if key in en.metadata:
             zh.metadata[key] = copy.deepcopy(en.metadata[key])
     zh.nbformat_minor = max(zh.nbformat_minor, en.nbformat_minor)
     return nbtools.write_nb(zh, zh_path)
 
 
+def join_chapter(chapter: Path, root: Path) -> bool:
+    """Join the CJK line breaks of `zh.ipynb`'s markdown cells; return whether it wrote."""
+    zh_path = chapter / "zh.ipynb"
+    zh = nbtools.read_nb(zh_path)
+    for cell in zh.cells:
+        if cell.cell_type == "markdown":
+            cell.source = join_cjk_breaks(cell.source)
+    return nbtools.write_nb(zh, zh_path)
+
+
 def main(root: Path = ROOT, check: bool = False, chapters: list[str] | None = None,
-         add_missing: bool = False) -> int:
+         add_missing: bool = False, join_cjk: bool = False) -> int:
     """Sync (or with `check`, compare) the chapters named by `chapters` (all if None)."""
     root = Path(root).resolve()
     try:
         folders = nbtools.select_chapters(chapters, root) if chapters else nbtools.all_chapters(root)
+        if join_cjk:
+            for folder in folders:
+                if join_chapter(folder, root):
+                    print(f"joined CJK line breaks in {rel(folder / 'zh.ipynb', root)}")
         if check:
             problems = [p for folder in folders for p in check_chapter(folder, root)]
             for p in problems:
@@ -177,8 +221,10 @@ if __name__ == "__main__":
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 on differences")
     parser.add_argument("--add-missing", action="store_true",
                         help="create a missing zh.ipynb / add stubs marked " + TODO)
+    parser.add_argument("--join-cjk", action="store_true",
+                        help="join line breaks between Chinese characters in zh markdown first")
     parser.add_argument("--root", type=Path, default=ROOT, help="project root (default: this repo)")
     args = parser.parse_args()
     if args.check and args.add_missing:
         parser.error("--check and --add-missing exclude each other")
-    sys.exit(main(args.root, args.check, args.chapters, args.add_missing))
+    sys.exit(main(args.root, args.check, args.chapters, args.add_missing, args.join_cjk))

@@ -11,16 +11,19 @@ import re
 from pathlib import Path
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
+import torch
 import agentrl as arl
 import enum
 import gc
 import multiprocessing
 import queue
 from multiprocessing import shared_memory
-import torch
 import torch.distributed as dist
 from crc32c import crc32c
+import functools
 import itertools
 import numbers
 import select
@@ -31,12 +34,21 @@ import threading
 import weakref
 
 
-# The heavy per-token fields and their element types (hidden: [T, d] per trajectory).
+# The heavy per-token fields and their element types (hidden: [T, d] per trajectory),
+# hidden in the store's default dtype, float16.
 HEAVY_FIELDS = ('tokens', 'logp', 'mask', 'hidden')
 
 
 HEAVY_DTYPES = {'tokens': np.dtype('int32'), 'logp': np.dtype('float32'),
                 'mask': np.dtype('uint8'), 'hidden': np.dtype('float16')}
+
+
+# The dtypes hidden may be stored in: name -> (numpy dtype of the stored values, Arrow
+# type). Arrow and numpy have no bfloat16: its raw 16-bit patterns are kept as uint16
+# and viewed back as torch.bfloat16 (TrajectoryStore.read_hidden).
+HIDDEN_DTYPES = {'float16': (np.dtype('float16'), pa.float16()),
+                 'bfloat16': (np.dtype('uint16'), pa.uint16()),
+                 'float32': (np.dtype('float32'), pa.float32())}
 
 
 # The values an integer field may hold: token ids fit int32; mask is 1 for a sampled
@@ -51,29 +63,60 @@ PAGE_SIZE = mmap.PAGESIZE
 META_SCHEMA = pa.schema([('id', pa.int64()), ('prompt', pa.string()),
                          ('reward', pa.float32()), ('length', pa.int64()),
                          ('teacher', pa.int32()), ('status', pa.string()),
-                         ('d', pa.int32()), ('heavy_file', pa.string()),
-                         ('heavy_bytes', pa.int64())])
+                         ('d', pa.int32()), ('hidden_dtype', pa.string()),
+                         ('heavy_file', pa.string()), ('heavy_bytes', pa.int64())])
 
 
-# The files a trajectory id names: heavy/00000007.arrow, metadata/part-00000007.parquet
-# (temporary files end in .<pid>.tmp and never match).
+# The files a trajectory id names: heavy/00000007.arrow, metadata/part-00000007.parquet;
+# a compacted metadata file names the first and last id it holds,
+# metadata/compact-00000000-00000063.parquet (temporary files end in .<pid>.tmp).
 _ID_FILE = re.compile(r'(?:part-)?(\d+)\.(?:arrow|parquet)')
 
 
-def heavy_schema(d):
+_COMPACT_FILE = re.compile(r'compact-(\d+)-(\d+)\.parquet')
+
+
+COMPACT_ROW_GROUP = 65536                  # rows per row group of a compacted file
+
+
+def heavy_schema(d, hidden_dtype='float16'):
     """The Arrow schema of a trajectory's heavy file: one column per per-token field,
-    hidden as a fixed-size list of d float16 per token."""
+    hidden as a fixed-size list of d values per token (HIDDEN_DTYPES[hidden_dtype])."""
     return pa.schema([('tokens', pa.int32()), ('logp', pa.float32()),
-                      ('mask', pa.uint8()), ('hidden', pa.list_(pa.float16(), d))])
+                      ('mask', pa.uint8()),
+                      ('hidden', pa.list_(HIDDEN_DTYPES[hidden_dtype][1], d))])
 
 
-def _as_field(name, values):
+def hidden_dtype_name(dtype):
+    """'float16', 'bfloat16' or 'float32' from a name, a numpy or a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix('torch.')
+    elif dtype == 'bfloat16':
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = repr(dtype)
+    if name not in HIDDEN_DTYPES:
+        raise ValueError(f'hidden_dtype must be one of {sorted(HIDDEN_DTYPES)}, got '
+                         f'{dtype!r}')
+    return name
+
+
+def _as_field(name, values, hidden_dtype='float16'):
     """One heavy field as an array of its store type -> array. Integer fields must be
     integers within HEAVY_RANGES, float fields real numbers that fit the type: a value
-    the type cannot hold raises instead of being rounded, wrapped or made infinite."""
+    the type cannot hold raises instead of being rounded, wrapped or made infinite.
+    hidden is stored in hidden_dtype (bfloat16: rounded by torch, kept as its bits)."""
+    if name == 'hidden' and hidden_dtype == 'bfloat16':
+        return _as_bfloat16_bits(values)
+    if isinstance(values, torch.Tensor) and values.dtype == torch.bfloat16:
+        values = values.float()                    # numpy cannot take it as it is
     a = np.asarray(values)
+    dtype = HIDDEN_DTYPES[hidden_dtype][0] if name == 'hidden' else HEAVY_DTYPES[name]
     if a.size == 0:
-        return a.astype(HEAVY_DTYPES[name])                # the shape check says why
+        return a.astype(dtype)                             # the shape check says why
     if name in HEAVY_RANGES:
         lo, hi = HEAVY_RANGES[name]
         if a.dtype.kind not in ('iub' if name == 'mask' else 'iu'):
@@ -84,7 +127,7 @@ def _as_field(name, values):
     elif a.dtype.kind not in 'iuf':
         raise TypeError(f'{name} must be real numbers, got {a.dtype}')
     with np.errstate(over='ignore'):                        # checked just below
-        out = np.ascontiguousarray(a, dtype=HEAVY_DTYPES[name])
+        out = np.ascontiguousarray(a, dtype=dtype)
     if name not in HEAVY_RANGES and np.isinf(out).sum() > np.isinf(a).sum():
         big = np.finfo(out.dtype).max
         raise ValueError(f'{name} must lie within +-{big:.6g} ({out.dtype}), got '
@@ -92,12 +135,34 @@ def _as_field(name, values):
     return out
 
 
-def _check_heavy(traj, d):
+def _as_bfloat16_bits(values):
+    """hidden values rounded to bfloat16 as torch rounds them (to nearest even, as
+    HiddenBuffer.put does) -> their raw 16-bit patterns, uint16; values bfloat16
+    cannot hold raise ValueError, non-numbers TypeError."""
+    if isinstance(values, torch.Tensor):
+        t = values.detach().cpu()
+    else:
+        a = np.asarray(values)
+        if a.dtype.kind not in 'iuf':
+            raise TypeError(f'hidden must be real numbers, got {a.dtype}')
+        t = torch.from_numpy(np.ascontiguousarray(a, a.dtype if a.dtype.kind == 'f'
+                                                  else np.float64))
+    if not t.is_floating_point() and t.numel():
+        t = t.double()
+    out = t.to(torch.bfloat16).contiguous()
+    if torch.isinf(out).sum() > torch.isinf(t).sum():
+        big = torch.finfo(torch.bfloat16).max
+        raise ValueError(f'hidden must lie within +-{big:.6g} (bfloat16), got values '
+                         f'up to {t.abs().max().item():.6g}')
+    return out.view(torch.int16).numpy().view(np.uint16)
+
+
+def _check_heavy(traj, d, hidden_dtype='float16'):
     """The heavy fields of a trajectory dict as arrays of the store's types -> dict."""
     missing = [f for f in HEAVY_FIELDS if f not in traj]
     if missing:
         raise ValueError(f'trajectory is missing the fields {missing}')
-    out = {f: _as_field(f, traj[f]) for f in HEAVY_FIELDS}
+    out = {f: _as_field(f, traj[f], hidden_dtype) for f in HEAVY_FIELDS}
     T = len(out['tokens'])
     if T < 1 or out['tokens'].ndim != 1:
         raise ValueError(f"tokens must be a non-empty 1-D array, got shape "
@@ -120,13 +185,14 @@ def _as_int(value, name):
 
 
 @contextlib.contextmanager
-def _exclusive(root):
+def _exclusive(root, shared=False):
     """Hold the store's lock (root/lock) while the block runs: one writer at a time,
-    across store objects and processes. flock is released when the file is closed, so
-    a writer that dies cannot leave the store locked."""
+    across store objects and processes; with shared, any number of readers at once,
+    but no writer. flock is released when the file is closed, so a process that dies
+    cannot leave the store locked."""
     import fcntl                # POSIX only; here, so the package imports anywhere
     with open(Path(root) / 'lock', 'a') as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield
 
 
@@ -148,18 +214,74 @@ def _write_durably(path, write):
     arl.sync_dir(path.parent)                   # the new name (chapter 18)
 
 
-def _read_part(path):
-    """One metadata part -> its one-row table; ValueError naming the file if it is
-    damaged (empty, cut short, not Parquet, or not the row its name promises)."""
+def _damage(path, ids, nulls):
+    """What is wrong with the rows a metadata file gave (ids [n], and whether any of
+    its values is missing) -> None if nothing. A part holds exactly the row of the id
+    its name says; a compacted file distinct ids whose first and last its name says."""
+    if nulls:
+        return 'some of its values are missing (null)'
+    part, compacted = _ID_FILE.fullmatch(path.name), _COMPACT_FILE.fullmatch(path.name)
+    if part and list(ids) != [int(part.group(1))]:
+        return f'it holds the ids {list(ids)[:5]}, not the one row of trajectory ' \
+               f'{int(part.group(1))}'
+    if compacted:
+        lo, hi = int(compacted.group(1)), int(compacted.group(2))
+        if not len(ids) or ids.min() != lo or ids.max() != hi \
+                or len(np.unique(ids)) != len(ids):
+            return f'its ids are not distinct ids from {lo} to {hi}'
+    return None
+
+
+def _read_metadata_files(paths):
+    """Metadata files (parts and compacted) -> (table of their valid rows, {path:
+    what is wrong} for each damaged file). One pyarrow.dataset pass over all of them;
+    if it fails, file by file, so that a damaged file costs its own rows only."""
+    damaged = {}
     try:
-        table = pq.read_table(path, schema=META_SCHEMA)
-    except (pa.ArrowException, OSError) as e:
-        raise ValueError(f'metadata part {path} is damaged: {e}') from e
-    tid = int(_ID_FILE.fullmatch(path.name).group(1))
-    ids = table['id'].to_pylist()
-    if ids != [tid]:
-        raise ValueError(f'metadata part {path} is damaged: it holds the ids {ids}, '
-                         f'not the one row of trajectory {tid}')
+        table = ds.dataset([str(p) for p in paths], schema=META_SCHEMA,
+                           format='parquet').to_table(
+            columns=META_SCHEMA.names + ['__filename'])
+        names = table['__filename'].combine_chunks().dictionary_encode()
+        files = [Path(n) for n in names.dictionary.to_pylist()]
+        code = names.indices.to_numpy(zero_copy_only=False)
+        table = table.select(META_SCHEMA.names)
+    except (pa.ArrowException, OSError):
+        tables, files = [], []
+        for p in paths:
+            try:
+                tables.append(pq.read_table(p, schema=META_SCHEMA))
+                files.append(p)
+            except (pa.ArrowException, OSError) as e:
+                damaged[p] = f'metadata file {p} is damaged: {e}'
+        table = pa.concat_tables([META_SCHEMA.empty_table()] + tables)
+        code = np.repeat(np.arange(len(files)), [len(t) for t in tables])
+    for p in sorted(set(paths) - set(files) - set(damaged)):
+        damaged[p] = f'metadata file {p} is damaged: it holds no row'
+    ids = table['id'].to_numpy(zero_copy_only=False)
+    null = np.zeros(len(table), bool)
+    for column in table.columns:
+        if column.null_count:
+            null |= column.is_null().to_numpy(zero_copy_only=False)
+    order = np.argsort(code, kind='stable')              # the rows of each file
+    bounds = np.searchsorted(code[order], np.arange(len(files) + 1))
+    keep = np.ones(len(table), bool)
+    for j, p in enumerate(files):
+        rows = order[bounds[j]:bounds[j + 1]]
+        why = _damage(p, ids[rows], null[rows].any())
+        if why:
+            damaged[p] = f'metadata file {p} is damaged: {why}'
+            keep[rows] = False
+    return (table if keep.all() else table.filter(keep)), damaged
+
+
+def _unique_ids(table):
+    """The table sorted by id, one row per id: a compaction that crashed after its
+    file was renamed into place, before it removed the files it merged, leaves the
+    same row in two files, and it is counted once."""
+    table = table.sort_by('id')
+    ids = table['id'].to_numpy()
+    if len(ids) > 1 and (ids[1:] == ids[:-1]).any():
+        table = table.filter(np.concatenate([[True], ids[1:] != ids[:-1]]))
     return table
 
 
@@ -204,52 +326,74 @@ def _check_batch(source, path, tid, schema, length):
 class TrajectoryStore:
     """Trajectories split into light metadata and heavy per-token columns.
 
-    root/metadata/part-*.parquet: one row per trajectory (META_SCHEMA: prompt,
-    reward, length, teacher, status, and where its heavy file is and how big).
+    root/metadata/: the metadata, one row per trajectory (META_SCHEMA: prompt,
+    reward, length, teacher, status, and where its heavy file is and how big), as
+    Parquet files: part-<id>.parquet, the row of one append, and compact-<first>-
+    <last>.parquet, the rows compact() merged (row groups of COMPACT_ROW_GROUP).
     root/heavy/<id>.arrow: an Arrow IPC file, one record batch with the columns
-    tokens [T] int32, logp [T] float32, mask [T] uint8, hidden [T, d] float16.
-    root/store.json records d. metadata() reads only the Parquet files; read()
-    memory-maps heavy files and returns views of the requested columns and token
-    ranges. self.counters counts what each side reads: heavy_bytes (the bytes of the
-    views handed out), heavy_pages (the same rounded out to whole pages), heavy_opens,
-    metadata_bytes.
+    tokens [T] int32, logp [T] float32, mask [T] uint8, hidden [T, d] in the store's
+    hidden_dtype (float16 by default; bfloat16 kept as uint16 bit patterns).
+    root/store.json records d and hidden_dtype. metadata() reads only the Parquet
+    files; read() memory-maps heavy files and returns views of the requested columns
+    and token ranges. self.counters counts what each side reads: heavy_bytes (the
+    bytes of the views handed out), heavy_pages (the same rounded out to whole
+    pages), heavy_opens, metadata_bytes.
 
     Promises: any number of store objects and processes may append to one root (an
-    flock on root/lock serialises them; an id is 1 + the largest id any file is named
-    after, so ids never collide). append returns once the heavy file, the metadata
-    part and their folders are fsynced. A damaged part or heavy file costs
-    its trajectory only: metadata() skips it (listed in self.damaged), reading it raises
-    an error naming the file. read checks d, the heavy file's schema, its batch
-    (RecordBatch.validate) and its length against the metadata. POSIX only (flock).
+    flock on root/lock serialises them and compact(); an id is 1 + the largest id any
+    file is named after, so ids never collide). append returns once the heavy file,
+    the metadata part and their folders are fsynced. compact() makes its file durable
+    before it removes what it merged, and a row found twice counts once. A damaged
+    metadata file or heavy file costs the trajectories it holds only: metadata() skips
+    it (listed in self.damaged), reading one of them raises an error naming the file.
+    read checks d, the heavy file's schema, its batch (RecordBatch.validate) and its
+    length against the metadata. POSIX only (flock).
     """
-    def __init__(self, root, d=None):
-        """d: the width of hidden; None takes it from the store (a new store needs it).
-        A d that differs from the one the store recorded raises ValueError."""
+    def __init__(self, root, d=None, hidden_dtype=None):
+        """d: the width of hidden; hidden_dtype: 'float16' (default for a new store),
+        'bfloat16' or 'float32' (or a numpy or torch dtype). None takes each from the
+        store (a new store needs d). One that differs from the store's raises."""
         self.root = Path(root)
-        stored = self._stored_d()
+        stored = self._stored()
         if d is None and stored is None:
             raise ValueError(f'd: {self.root} holds no store yet, so d must be given')
-        self.d = stored if d is None else _as_int(d, 'd')
+        self.d = stored['d'] if d is None else _as_int(d, 'd')
         if self.d < 1:
             raise ValueError(f'd must be >= 1, got {d}')
-        if stored is not None and stored != self.d:
+        if stored is not None and stored['d'] != self.d:
             raise ValueError(f'd: the store {self.root} holds hidden states of width '
-                             f'd={stored}, not {self.d}')
+                             f'd={stored["d"]}, not {self.d}')
+        self.hidden_dtype = hidden_dtype_name(
+            hidden_dtype or (stored or {}).get('hidden_dtype', 'float16'))
+        if stored is not None and stored['hidden_dtype'] != self.hidden_dtype:
+            raise ValueError(f'hidden_dtype: the store {self.root} holds hidden '
+                             f'states in {stored["hidden_dtype"]}, not '
+                             f'{self.hidden_dtype}')
+        self.dtypes = dict(HEAVY_DTYPES, hidden=HIDDEN_DTYPES[self.hidden_dtype][0])
         self.counters = dict(heavy_bytes=0, heavy_pages=0, heavy_opens=0,
                              metadata_bytes=0)
         self._index, self.damaged = {}, {}
 
-    def _stored_d(self):
+    def _stored(self):
+        """store.json as dict(d, hidden_dtype), or None for a store not yet written."""
         path = self.root / 'store.json'
         if not path.exists():
             return None
         try:
-            return int(json.loads(path.read_text())['d'])
+            got = json.loads(path.read_text())
+            return dict(d=int(got['d']),
+                        hidden_dtype=hidden_dtype_name(got.get('hidden_dtype',
+                                                               'float16')))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f'{path} is damaged: {e}') from e
 
-    def _parts(self):
-        return sorted((self.root / 'metadata').glob('part-*.parquet'))
+    def _metadata_files(self):
+        """The parts and compacted files of metadata/, sorted by name."""
+        folder = self.root / 'metadata'
+        if not folder.is_dir():
+            return []
+        return sorted(p for p in folder.iterdir() if p.suffix == '.parquet' and (
+            _ID_FILE.fullmatch(p.name) or _COMPACT_FILE.fullmatch(p.name)))
 
     def _make_folders(self):
         """Create root, heavy/ and metadata/ if needed, each name made durable."""
@@ -259,13 +403,25 @@ class TrajectoryStore:
                 arl.sync_dir(folder.parent)
 
     def _new_id(self):
-        """1 + the largest id a heavy file or metadata part is named after (0 if none).
+        """1 + the largest id a heavy file or metadata file is named after (0 if none).
         Called under the lock; an append that died between its heavy file and its part
         leaves its id used, so a later trajectory never takes that file's name."""
         names = [p.name for p in (self.root / 'heavy').iterdir()]
         names += [p.name for p in (self.root / 'metadata').iterdir()]
         ids = [int(m.group(1)) for m in map(_ID_FILE.fullmatch, names) if m]
+        ids += [int(m.group(2)) for m in map(_COMPACT_FILE.fullmatch, names) if m]
         return max(ids, default=-1) + 1
+
+    def _check_stored(self):
+        """Under the lock: record d and hidden_dtype if the store is new, else check
+        that they are the store's."""
+        stored = self._stored()
+        mine = dict(d=self.d, hidden_dtype=self.hidden_dtype)
+        if stored is None:                  # the first append records them
+            _write_durably(self.root / 'store.json',
+                           lambda f: f.write(json.dumps(mine).encode()))
+        elif stored != mine:
+            raise ValueError(f'the store {self.root} holds {stored}, not {mine}')
 
     def append(self, traj):
         """Write one trajectory -> its id. traj: dict with the HEAVY_FIELDS arrays and
@@ -273,21 +429,15 @@ class TrajectoryStore:
         the store's lock: take a new id, write the heavy file, then the metadata row as
         a Parquet part of its own, each durably (_write_durably). A trajectory exists
         once its row does, and a row never points to a heavy file not yet complete."""
-        cols = _check_heavy(traj, self.d)
+        cols = _check_heavy(traj, self.d, self.hidden_dtype)
         hidden = pa.FixedSizeListArray.from_arrays(pa.array(cols['hidden'].ravel()),
                                                    self.d)
         batch = pa.record_batch([pa.array(cols['tokens']), pa.array(cols['logp']),
                                  pa.array(cols['mask']), hidden],
-                                schema=heavy_schema(self.d))
+                                schema=heavy_schema(self.d, self.hidden_dtype))
         self._make_folders()
         with _exclusive(self.root):
-            stored = self._stored_d()
-            if stored is None:                  # the first append records d
-                _write_durably(self.root / 'store.json',
-                               lambda f: f.write(json.dumps({'d': self.d}).encode()))
-            elif stored != self.d:
-                raise ValueError(f'd: the store {self.root} holds d={stored}, '
-                                 f'not {self.d}')
+            self._check_stored()
             tid = self._new_id()
             name = f'{tid:08d}.arrow'
             path = self.root / 'heavy' / name
@@ -295,49 +445,81 @@ class TrajectoryStore:
             row = dict(id=tid, prompt=str(traj.get('prompt', '')),
                        reward=float(traj.get('reward', 0.0)), length=batch.num_rows,
                        teacher=int(traj.get('teacher', 0)),
-                       status=str(traj.get('status', '')), d=self.d, heavy_file=name,
+                       status=str(traj.get('status', '')), d=self.d,
+                       hidden_dtype=self.hidden_dtype, heavy_file=name,
                        heavy_bytes=path.stat().st_size)
             table = pa.Table.from_pylist([row], schema=META_SCHEMA)
             _write_durably(self.root / 'metadata' / f'part-{tid:08d}.parquet',
                            lambda f: pq.write_table(table, f))
         return tid
 
+    def _read_metadata(self):
+        """(rows by id, damaged files) of every metadata file; hold the lock."""
+        files = self._metadata_files()
+        self.counters['metadata_bytes'] += sum(p.stat().st_size for p in files)
+        table, damaged = _read_metadata_files(files)
+        return _unique_ids(table), damaged
+
     def metadata(self):
         """The light table (META_SCHEMA, one row per trajectory, by id); reads the
-        Parquet parts only, never a heavy file. A damaged part is skipped, not fatal:
+        Parquet files only (one pass), never a heavy file, under a shared lock, so a
+        compaction is never seen half done. A damaged file is skipped, not fatal:
         self.damaged maps its path to what is wrong with it (empty when none is)."""
-        parts, tables, damaged = self._parts(), [], {}
-        self.counters['metadata_bytes'] += sum(p.stat().st_size for p in parts)
-        for p in parts:
-            try:
-                tables.append(_read_part(p))
-            except ValueError as e:
-                damaged[p] = str(e)
-        self.damaged = damaged
-        if not tables:
+        if not (self.root / 'metadata').is_dir():
+            self.damaged = {}
             return META_SCHEMA.empty_table()
-        return pa.concat_tables(tables).sort_by('id')
+        with _exclusive(self.root, shared=True):
+            table, self.damaged = self._read_metadata()
+        return table
+
+    def compact(self):
+        """Merge every metadata part and compacted file into one compacted file, under
+        the store's lock -> its path (None if there was nothing to merge). The new
+        file is written under a temporary name, fsynced, renamed and its folder
+        fsynced; only then are the merged files removed. A damaged file is not merged:
+        it stays, and stays in self.damaged."""
+        if not (self.root / 'metadata').is_dir():
+            return None
+        with _exclusive(self.root):
+            files = self._metadata_files()
+            table, self.damaged = self._read_metadata()
+            merged = [p for p in files if p not in self.damaged]
+            if not merged or [p.name[:8] for p in merged] == ['compact-']:
+                return None                                  # one compacted file
+            ids = table['id'].to_numpy()
+            name = f'compact-{ids[0]:08d}-{ids[-1]:08d}.parquet'
+            path = self.root / 'metadata' / name
+            _write_durably(path, lambda f: pq.write_table(
+                table, f, row_group_size=COMPACT_ROW_GROUP))
+            for p in merged:
+                if p != path:
+                    p.unlink()
+            arl.sync_dir(path.parent)
+        return path
 
     def _lookup(self, tid):
-        """(heavy file, bytes, length, d) of trajectory tid. Ids are never reused, so
-        what the index holds stays true; on a miss, another store object or process may
-        have appended since, so the index is read again before the id is refused."""
+        """(heavy file, bytes, length, d, hidden_dtype) of trajectory tid. Ids are never
+        reused, so what the index holds stays true; on a miss, another store object or
+        process may have appended since, so the index is read again before the id is
+        refused (naming a damaged file that may hold it)."""
         if tid not in self._index:
             meta = self.metadata()
             self._index = {i: row for i, *row in zip(
                 meta['id'].to_pylist(), meta['heavy_file'].to_pylist(),
                 meta['heavy_bytes'].to_pylist(), meta['length'].to_pylist(),
-                meta['d'].to_pylist())}
+                meta['d'].to_pylist(), meta['hidden_dtype'].to_pylist())}
         if tid not in self._index:
-            part = self.root / 'metadata' / f'part-{tid:08d}.parquet'
-            if part in self.damaged:
-                raise ValueError(f'trajectory {tid}: {self.damaged[part]}')
+            for path, why in self.damaged.items():
+                m = _COMPACT_FILE.fullmatch(path.name)
+                if (path.name == f'part-{tid:08d}.parquet'
+                        or m and int(m.group(1)) <= tid <= int(m.group(2))):
+                    raise ValueError(f'trajectory {tid}: {why}')
             raise ValueError(f'ids: trajectory {tid} is not in the store {self.root}')
         return self._index[tid]
 
     def _open(self, tid):
         """The record batch of trajectory tid, memory-mapped (no data is read yet)."""
-        name, size, length, d = self._lookup(tid)
+        name, size, length, d, hidden_dtype = self._lookup(tid)
         path = self.root / 'heavy' / name
         if not path.exists():
             raise ValueError(f'trajectory {tid}: its heavy file {path} is missing')
@@ -345,15 +527,16 @@ class TrajectoryStore:
         if actual != size:
             raise ValueError(f'trajectory {tid}: its heavy file {path} has {actual} '
                              f'bytes, the metadata says {size} (truncated or damaged)')
-        if d != self.d:
-            raise ValueError(f'trajectory {tid}: its metadata row says d={d}, the '
-                             f'store was opened with d={self.d}')
+        if (d, hidden_dtype) != (self.d, self.hidden_dtype):
+            raise ValueError(f'trajectory {tid}: its metadata row says d={d}, '
+                             f'{hidden_dtype}; the store was opened with d={self.d}, '
+                             f'{self.hidden_dtype}')
         source = pa.memory_map(str(path), 'r')
-        batch = _check_batch(source, path, tid, heavy_schema(self.d), length)
+        batch = _check_batch(source, path, tid, heavy_schema(self.d, self.hidden_dtype),
+                             length)
         self.counters['heavy_opens'] += 1
         source.seek(0)
         return batch, source.read_buffer(1).address      # the address of byte 0
-
     def read(self, ids, fields=HEAVY_FIELDS, ranges=None):
         """Views of heavy fields -> list (one per id) of {field: array}.
 
@@ -362,7 +545,8 @@ class TrajectoryStore:
         tokens/logp/mask come back as [stop - start] arrays, hidden as
         [stop - start, d]; all are read-only views of the memory-mapped file (nothing is
         copied; pages are read when they are touched, and unmapped when the views are
-        gone).
+        gone). hidden comes in self.dtypes['hidden']: for a bfloat16 store, its uint16
+        bit patterns (read_hidden views them as torch.bfloat16).
         """
         ids = [_as_int(i, 'ids') for i in ids]
         fields = tuple(fields)
@@ -399,6 +583,19 @@ class TrajectoryStore:
             out.append(views)
         return out
 
+    def read_hidden(self, ids, ranges=None):
+        """hidden of each id (and range) as a torch tensor [n, d] in the store's
+        hidden_dtype -> list; for bfloat16, the stored bits viewed as torch.bfloat16.
+        No copy: the tensors view the read-only memory map, so clone one to write."""
+        import warnings
+        out = []
+        for views in self.read(ids, ['hidden'], ranges):
+            with warnings.catch_warnings():       # read-only: torch warns, we clone
+                warnings.simplefilter('ignore', UserWarning)
+                t = torch.from_numpy(views['hidden'])
+            out.append(t.view(torch.bfloat16) if self.hidden_dtype == 'bfloat16' else t)
+        return out
+
 
 def synthetic_trajectory(n_tokens, d=4, vocab=52, seed=0, prompt='', n_teachers=4):
     """A long agentic trajectory under a documented long-tail model -> dict for
@@ -429,48 +626,91 @@ def synthetic_trajectory(n_tokens, d=4, vocab=52, seed=0, prompt='', n_teachers=
                 status='finished' if g.random() < 0.8 else 'truncated')
 
 
+def budget_batches(lengths, max_tokens):
+    """Chapter 14's token_budget_batches, vectorised -> (order [N], bounds [B + 1]):
+    mini-batch b is order[bounds[b]:bounds[b + 1]], the same members in the same
+    order as token_budget_batches(lengths, max_tokens)[b]. Longest first; a batch
+    whose first (longest) member has L tokens takes max_tokens // L members, so the
+    loop runs once per mini-batch, not per sequence."""
+    lengths = np.asarray(lengths, np.int64)
+    if max_tokens < 1:
+        raise ValueError(f'max_tokens must be at least 1, got {max_tokens}')
+    if len(lengths) and lengths.max() > max_tokens:
+        i = int(np.argmax(lengths))
+        raise ValueError(f'sequence {i} has {lengths[i]} tokens, more than the budget '
+                         f'max_tokens={max_tokens}')
+    order = np.argsort(-lengths, kind='stable')        # ties keep their order
+    width = max_tokens // np.maximum(lengths[order], 1)     # members if it is first
+    bounds, b = [0], 0
+    while b < len(order):
+        b = min(b + int(width[b]), len(order))
+        bounds.append(b)
+    return order, np.array(bounds, np.int64)
+
+
+def _only(meta, column, default):
+    """The one value a metadata column holds in every row (default if no rows)."""
+    values = pc.unique(meta[column]).to_pylist()
+    if len(values) > 1:
+        raise ValueError(f'meta mixes {column} values {sorted(values)}')
+    return values[0] if values else default
+
+
 def dispatch(meta, segment_tokens, batch_tokens, world_size=2, seed=0,
-             fields=HEAVY_FIELDS):
+             fields=HEAVY_FIELDS, order=None):
     """Plan an epoch from metadata alone -> list of mini-batch dicts.
 
     meta: TrajectoryStore.metadata(). Each trajectory is cut into segments of
     segment_tokens (the last one shorter), the segments of all trajectories are
-    shuffled globally, and chapter 14's token_budget_batches groups them into
-    mini-batches of at most batch_tokens padded tokens. Each mini-batch: segments
-    [k, 3] (trajectory id, start, stop), rank [k] (round robin), reward [k], tokens
-    (their sum), layout {field: (byte offset, [tokens, width])} of one shared buffer
-    holding each field of all segments back to back (fields page-aligned), nbytes.
+    shuffled globally, and chapter 14's token-budget rule (budget_batches, its
+    vectorised form) groups them into mini-batches of at most batch_tokens padded
+    tokens. order='teacher' orders each mini-batch's segments by the teacher field
+    (chapter 17's teacher_order, stable), so that each teacher's head is needed once
+    per mini-batch; None keeps the budget's order. Each mini-batch: segments [k, 3]
+    (trajectory id, start, stop), rank [k] (round robin), reward [k], teacher [k],
+    tokens (their sum), layout {field: (byte offset, [tokens, width])} of one shared
+    buffer holding each field of all segments back to back (fields page-aligned),
+    dtypes {field: numpy dtype}, nbytes.
     """
     if segment_tokens < 1 or world_size < 1:
         raise ValueError(f'segment_tokens and world_size must be >= 1, got '
                          f'{segment_tokens}, {world_size}')
+    if order not in (None, 'teacher'):
+        raise ValueError(f"order must be None or 'teacher', got {order!r}")
     ids = np.asarray(meta['id'].to_numpy(), np.int64)
     lengths = np.asarray(meta['length'].to_numpy(), np.int64)
     rewards = np.asarray(meta['reward'].to_numpy(), np.float32)
-    d = set(meta['d'].to_pylist())
-    if len(d) > 1:
-        raise ValueError(f'meta mixes hidden widths {sorted(d)}')
-    d = d.pop() if d else 1
+    teachers = np.asarray(meta['teacher'].to_numpy(), np.int64)
+    d = _only(meta, 'd', 1)
+    dtypes = dict(HEAVY_DTYPES, hidden=HIDDEN_DTYPES[
+        _only(meta, 'hidden_dtype', 'float16')][0])
     counts = -(-lengths // segment_tokens)
     owner = np.repeat(np.arange(len(ids)), counts)                    # [S]
     first = np.repeat(np.cumsum(counts) - counts, counts)
     start = (np.arange(len(owner)) - first) * segment_tokens
     stop = np.minimum(start + segment_tokens, lengths[owner])
     perm = np.random.default_rng(seed).permutation(len(owner))        # global shuffle
+    members, bounds = budget_batches(stop[perm] - start[perm], batch_tokens)
+    chosen = perm[members]                                 # mini-batch by mini-batch
+    tokens = np.add.reduceat(stop[chosen] - start[chosen], bounds[:-1]) \
+        if len(chosen) else np.zeros(0, np.int64)
     plan = []
-    for members in arl.token_budget_batches(stop[perm] - start[perm], batch_tokens):
-        k = perm[members]
-        seg = np.stack([ids[owner[k]], start[k], stop[k]], 1)
-        n = int((stop[k] - start[k]).sum())
+    for b in range(len(bounds) - 1):
+        k = chosen[bounds[b]:bounds[b + 1]]
+        if order == 'teacher':
+            k = k[arl.teacher_order(teachers[owner[k]]).numpy()]
+        n = int(tokens[b])
         layout, offset = {}, 0
         for f in fields:
             width = d if f == 'hidden' else 1
             layout[f] = (offset, (n, width))
-            size = n * width * HEAVY_DTYPES[f].itemsize
+            size = n * width * dtypes[f].itemsize
             offset += -(-size // PAGE_SIZE) * PAGE_SIZE
-        plan.append(dict(segments=seg, rank=np.arange(len(k)) % world_size,
-                         reward=rewards[owner[k]], tokens=n, layout=layout,
-                         nbytes=offset))
+        plan.append(dict(segments=np.stack([ids[owner[k]], start[k], stop[k]], 1),
+                         rank=np.arange(len(k)) % world_size,
+                         reward=rewards[owner[k]], teacher=teachers[owner[k]],
+                         tokens=n, layout=layout, nbytes=offset,
+                         dtypes={f: dtypes[f] for f in fields}))
     return plan
 
 
@@ -478,8 +718,9 @@ def batch_views(buf, batch):
     """Views of one mini-batch in a buffer laid out by dispatch -> {field: [n, width]
     or [n] array}."""
     views = {}
+    dtypes = batch.get('dtypes', HEAVY_DTYPES)
     for f, (offset, (n, width)) in batch['layout'].items():
-        a = np.ndarray((n, width), HEAVY_DTYPES[f], buffer=buf, offset=offset)
+        a = np.ndarray((n, width), dtypes[f], buffer=buf, offset=offset)
         views[f] = a if f == 'hidden' else a[:, 0]
     return views
 
@@ -618,8 +859,9 @@ def _naive_views(store, cache, batch, members):
     """The naive loader: each trajectory the rank needs is loaded whole, as Python
     objects (a dict of arrays per trajectory) kept for later steps -> views dict laid
     out like batch_views (zeros for segments it does not consume)."""
+    dtypes = batch.get('dtypes', HEAVY_DTYPES)
     views = {f: np.zeros((batch['tokens'], w) if f == 'hidden' else batch['tokens'],
-                         HEAVY_DTYPES[f]) for f, (_, (n, w)) in batch['layout'].items()}
+                         dtypes[f]) for f, (_, (n, w)) in batch['layout'].items()}
     slices = segment_slices(batch)
     for j in members:
         tid, start, stop = (int(x) for x in batch['segments'][j])
@@ -1341,6 +1583,15 @@ def _disown_writers_in_child():
     _OPEN_WRITERS.clear()
 
 
+@functools.cache
+def _disown_writers_after_forks():
+    """Once per process, before its first writer: have every forked child run
+    _disown_writers_in_child. (A function, not a statement at the top of the
+    cell: the package keeps a saved cell's definitions only.)"""
+    if hasattr(os, 'register_at_fork'):
+        os.register_at_fork(after_in_child=_disown_writers_in_child)
+
+
 class GroupCommitWriter(arl.WalWriter):
     """Chapter 18's WalWriter under policy 'step', with two changes: append_tokens()
     encodes a whole decoding step's token records at once (struct for a few, numpy
@@ -1372,6 +1623,7 @@ class GroupCommitWriter(arl.WalWriter):
         os.close(ack_w)
         os.set_blocking(self._ack, False)
         self.written = self.durable
+        _disown_writers_after_forks()
         _OPEN_WRITERS.add(self)
 
     def _signal(self, message):
@@ -1494,12 +1746,16 @@ class GroupCommitWriter(arl.WalWriter):
 __all__ = [
     'HEAVY_FIELDS',
     'HEAVY_DTYPES',
+    'HIDDEN_DTYPES',
     'HEAVY_RANGES',
     'PAGE_SIZE',
     'META_SCHEMA',
+    'COMPACT_ROW_GROUP',
     'heavy_schema',
+    'hidden_dtype_name',
     'TrajectoryStore',
     'synthetic_trajectory',
+    'budget_batches',
     'dispatch',
     'batch_views',
     'segment_slices',

@@ -21,6 +21,7 @@ from collections import deque
 import agentrl as arl
 import multiprocessing
 import sys
+import dataclasses
 
 
 def simulate_interruptions(lengths, lam, n_complete, rng, resume):
@@ -1135,10 +1136,12 @@ class _RolloutJob:
             pass                           # the error being raised matters more
 
 
-def read_trajectories(workdir):
+def read_trajectories(workdir, *, finished_only=False):
     """The finished rollout in workdir -> list of chapter 4's Trajectory, in request
     order, each with the policy version it was sampled from (info['weights_hash']).
-    Raises ValueError if the log is missing or holds an unfinished request."""
+    Raises ValueError if the log is missing or holds an unfinished request, unless
+    finished_only: then the requests that have not finished are left out (what an
+    interrupted run had finished)."""
     path = Path(workdir) / 'rollout.wal'
     if not path.exists():
         raise ValueError(f"{workdir} holds no log (policy 'none' keeps none)")
@@ -1151,6 +1154,8 @@ def read_trajectories(workdir):
     for rid in range(spec.n_tasks * spec.group_size):
         req = state.requests.get(rid)
         if req is None or req.finish is None:
+            if finished_only:
+                continue
             raise ValueError(f'{workdir}: request {rid} has not finished; run the '
                              'rollout to the end first')
         reward, outcome, turns = req.finish
@@ -1237,6 +1242,115 @@ def rollout_main(argv=None):
     sys.exit(0 if result['status'] == 'finished' else EXIT_PREEMPTED)
 
 
+PREEMPTION_MODES = ('resume', 'discard')
+
+
+def _count_lines(path):
+    return path.read_bytes().count(b'\n') if path.exists() else 0
+
+
+def _run_until_kill(folder, spec, steps, signal_name, grace_s):
+    """Launch the job in `folder`, let its process commit `steps` decoding steps, then
+    stop it with signal_name ('SIGTERM': preempt_rollout with grace_s; 'SIGKILL') -> how
+    it ended: 'finished' (before the signal), 'graceful', 'terminated' or 'killed'."""
+    acks = Path(folder) / 'acks.txt'
+    target = _count_lines(acks) + 1 + steps       # its startup commit, then the steps
+    proc = launch_rollout(folder, spec)
+    while proc.exitcode is None and _count_lines(acks) < target:
+        time.sleep(0.001)
+    if proc.exitcode is None and signal_name == 'SIGTERM':
+        outcome = preempt_rollout(proc, grace_s)
+    else:
+        if proc.exitcode is None:
+            os.kill(proc.pid, signal.SIGKILL)  # an unjoined child keeps its pid
+        proc.join()
+        ends = {0: 'finished', -signal.SIGKILL: 'killed'}
+        outcome = ends.get(proc.exitcode, 'failed')
+    if outcome == 'failed':
+        raise RuntimeError(f'the rollout process in {folder} failed (exit code '
+                           f'{proc.exitcode})')
+    return outcome
+
+
+def run_with_preemptions(workdir, spec, rate, seed, mode, *, p_sigterm=0.5,
+                         grace_s=5.0, max_runs=1000):
+    """Run the rollout job `spec` to the end under a seeded preemption process ->
+    (trajectories, kills).
+
+    Each process of the job is stopped once it has committed a number of decoding
+    steps drawn from floor(Exponential(mean 1 / rate)), so a request that needs L
+    decoding steps escapes a kill with probability e^(-rate L) (rate: kills per step);
+    by SIGTERM with probability p_sigterm (preempt_rollout, grace_s), else SIGKILL.
+    mode 'resume': every run continues the job in workdir from its log. mode
+    'discard': a stopped run's unfinished requests are thrown away. Run k decodes, in
+    the fresh folder workdir/attempt-k with seed spec.seed + k (run 0 is spec itself),
+    new samples of the tasks of the requests still missing: its first n_tasks tasks, a
+    group of the largest number missing per task; request i of task t replaces the
+    i-th missing request of t, and the rest are padding, never used (chosen before
+    decoding, so that finishing first selects nothing). A signal takes a moment to
+    land; so that the outcome does not depend on the machine's load, a run counts as
+    stopped right after its steps-th step, and a request of it that needed more steps
+    (all of them start together) is thrown away even if it finished meanwhile.
+
+    trajectories: one per request of spec, in request order (for 'discard', info
+    'request' is the request of spec it stands for, 'attempt' the run that decoded it).
+    kills: a dict per stop (run, steps, signal, outcome: how the process ended,
+    discarded: requests thrown away, discarded_tokens: what they had decoded by then,
+    steps each; both 0 for 'resume').
+    """
+    if not isinstance(spec, RolloutSpec):
+        raise TypeError(f'spec must be a RolloutSpec, got {type(spec).__name__}')
+    if spec.policy == 'none':
+        raise ValueError("policy 'none' keeps no log: a job cannot be resumed, nor its "
+                         'steps counted, without one')
+    if mode not in PREEMPTION_MODES:
+        raise ValueError(f'mode must be one of {PREEMPTION_MODES}, got {mode!r}')
+    if not (isinstance(rate, numbers.Real) and math.isfinite(rate) and rate >= 0):
+        raise ValueError(f'rate must be finite and >= 0, got {rate!r}')
+    if not 0 <= p_sigterm <= 1:
+        raise ValueError(f'p_sigterm must be in [0, 1], got {p_sigterm}')
+    workdir = Path(workdir)
+    if workdir.exists():
+        raise ValueError(f'{workdir} exists: a preempted job starts in a new folder')
+    rng = np.random.default_rng(seed)
+    n, G = spec.n_tasks * spec.group_size, spec.group_size
+    done, kills = {}, []                  # done: request of spec -> Trajectory
+    for run in range(max_runs):
+        steps = math.floor(rng.exponential(1 / rate)) if rate > 0 else math.inf
+        signal_name = 'SIGTERM' if rng.random() < p_sigterm else 'SIGKILL'
+        if mode == 'resume':
+            outcome = _run_until_kill(workdir, spec, steps, signal_name, grace_s)
+            if outcome == 'finished':
+                return read_trajectories(workdir), kills
+            kills.append(dict(run=run, steps=steps, signal=signal_name,
+                              outcome=outcome, discarded=0, discarded_tokens=0))
+            continue
+        missing = {}                      # task -> its requests of spec still missing
+        for rid in range(n):
+            if rid not in done:
+                missing.setdefault(rid // G, []).append(rid)
+        g = max(map(len, missing.values()))
+        job = dataclasses.replace(spec, n_tasks=max(missing) + 1, group_size=g,
+                                  seed=spec.seed + run)
+        folder = workdir / f'attempt-{run:03d}'
+        outcome = _run_until_kill(folder, job, steps, signal_name, grace_s)
+        for traj in read_trajectories(folder, finished_only=True):
+            t, i = divmod(traj.info['request'], g)
+            # the prompt ends where the first sampled token begins
+            length = len(traj.ids) - 1 - int(traj.action_mask.argmax())
+            if i < len(missing.get(t, ())) and length <= steps:
+                rid = missing[t][i]
+                done[rid] = dataclasses.replace(
+                    traj, info=dict(traj.info, request=rid, attempt=run))
+        if len(done) == n:
+            return [done[rid] for rid in range(n)], kills
+        lost = n - len(done)             # every request still missing ran and was lost
+        kills.append(dict(run=run, steps=steps, signal=signal_name, outcome=outcome,
+                          discarded=lost, discarded_tokens=lost * steps))
+    raise RuntimeError(f'the job did not finish in max_runs={max_runs} runs; at this '
+                       f'rate ({rate} kills per step) it may never finish')
+
+
 __all__ = [
     'simulate_interruptions',
     'discard_restart_theory',
@@ -1291,4 +1405,6 @@ __all__ = [
     'PREEMPT_OUTCOMES',
     'preempt_rollout',
     'rollout_main',
+    'PREEMPTION_MODES',
+    'run_with_preemptions',
 ]

@@ -1,6 +1,7 @@
 """Every chapter notebook keeps the book's conventions: code that fits the rendered page (88
 columns), the same setup cell (install only when missing, one torch thread), both languages."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,17 @@ def test_code_lines_fit_the_page(path):
             for c in code_cells(path)
             for line in "".join(c["source"]).splitlines() if len(line) > MAX_COLUMNS]
     assert not wide, f"{len(wide)} code lines wider than {MAX_COLUMNS} columns:\n" + "\n".join(wide[:20])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_figure_cells_fold_their_code(path):
+    """A cell that only draws a figure shows the figure; its plotting code is folded
+    (Jupyter Book's hide-input tag) so the code the prose discusses stays in view."""
+    unfolded = [c.get("id") for c in code_cells(path)
+                if not "".join(c["source"]).startswith("#@save")
+                and re.search(r"plt\.subplots\(|plt\.figure\(", "".join(c["source"]))
+                and "hide-input" not in c.get("metadata", {}).get("tags", [])]
+    assert not unfolded, f"figure cells without the hide-input tag: {unfolded}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")

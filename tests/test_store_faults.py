@@ -219,3 +219,191 @@ def test_item8_index_sees_what_another_store_object_appended(tmp_path):
     tid = b.append(t1)
     assert tid in a.metadata()['id'].to_pylist()
     assert_reads_back(a, tid, t1)
+
+
+# --- metadata at scale: compaction ----------------------------------------------------
+
+def metadata_files(root):
+    return sorted(p.name for p in (root / 'metadata').iterdir())
+
+
+def test_compact_merges_parts_into_one_file_and_ids_go_on(tmp_path):
+    store = arl.TrajectoryStore(tmp_path, d=D)
+    trajs = [trajectory(s) for s in range(5)]
+    for t in trajs:
+        store.append(t)
+    before = store.metadata()
+    path = store.compact()
+    assert metadata_files(tmp_path) == ['compact-00000000-00000004.parquet']
+    assert path.name == 'compact-00000000-00000004.parquet'
+    fresh = arl.TrajectoryStore(tmp_path)
+    assert fresh.metadata().equals(before)
+    assert_reads_back(fresh, 3, trajs[3])
+    assert store.compact() is None                      # nothing left to merge
+    assert fresh.append(trajectory(5)) == 5             # a part beside the file
+    assert fresh.metadata()['id'].to_pylist() == list(range(6))
+    fresh.compact()
+    assert metadata_files(tmp_path) == ['compact-00000000-00000005.parquet']
+
+
+def test_compact_crash_between_rename_and_removal_leaves_no_duplicate(tmp_path,
+                                                                      monkeypatch):
+    store = arl.TrajectoryStore(tmp_path, d=D)
+    for s in range(4):
+        store.append(trajectory(s))
+    real_unlink = type(tmp_path).unlink
+    removed = []
+
+    def crash_after_one(self, missing_ok=False):
+        if 'metadata' in self.parts and len(removed) == 1:
+            raise RuntimeError('power loss')            # the new file is in place
+        removed.append(self)
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(type(tmp_path), 'unlink', crash_after_one)
+    with pytest.raises(RuntimeError, match='power loss'):
+        store.compact()
+    monkeypatch.undo()
+    names = metadata_files(tmp_path)
+    assert 'compact-00000000-00000003.parquet' in names and len(names) == 4
+    fresh = arl.TrajectoryStore(tmp_path)
+    assert fresh.metadata()['id'].to_pylist() == [0, 1, 2, 3]     # each row once
+    assert not fresh.damaged
+    assert fresh.append(trajectory(9)) == 4
+    fresh.compact()                                     # cleans up what was left
+    assert metadata_files(tmp_path) == ['compact-00000000-00000004.parquet']
+    assert fresh.metadata()['id'].to_pylist() == [0, 1, 2, 3, 4]
+
+
+def test_compact_with_a_concurrent_append_loses_nothing(tmp_path, monkeypatch):
+    import threading
+    import time
+    store = arl.TrajectoryStore(tmp_path, d=D)
+    for s in range(3):
+        store.append(trajectory(s))
+    module = arl.long_trajectories
+    real_write, appended, threads = module._write_durably, [], []
+
+    def write_slowly(path, write):
+        if path.name.startswith('compact-') and not threads:
+            other = arl.TrajectoryStore(tmp_path)      # another writer, mid-compaction
+            threads.append(threading.Thread(
+                target=lambda: appended.append(other.append(trajectory(7)))))
+            threads[0].start()
+            time.sleep(0.3)                  # it waits for the lock meanwhile
+            assert not appended
+        real_write(path, write)
+
+    monkeypatch.setattr(module, '_write_durably', write_slowly)
+    store.compact()
+    threads[0].join(timeout=60)
+    assert appended == [3]
+    fresh = arl.TrajectoryStore(tmp_path)
+    assert fresh.metadata()['id'].to_pylist() == [0, 1, 2, 3]
+    assert_reads_back(fresh, 3, trajectory(7))
+    assert 'part-00000003.parquet' in metadata_files(tmp_path)
+
+
+@pytest.mark.parametrize('damage', ['empty', 'half', 'other rows'])
+def test_damaged_compacted_file_is_named_and_costs_its_rows_only(tmp_path, damage):
+    store = arl.TrajectoryStore(tmp_path, d=D)
+    trajs = [trajectory(s) for s in range(4)]
+    for t in trajs[:3]:
+        store.append(t)
+    path = store.compact()
+    store.append(trajs[3])                              # a part after the compaction
+    data = path.read_bytes()
+    if damage == 'other rows':                          # valid Parquet, wrong ids
+        import pyarrow.parquet as pq
+        table = pq.read_table(path)
+        pq.write_table(table.slice(1), path)
+    else:
+        path.write_bytes(b'' if damage == 'empty' else data[:len(data) // 2])
+    fresh = arl.TrajectoryStore(tmp_path)
+    assert fresh.metadata()['id'].to_pylist() == [3]
+    assert list(fresh.damaged) == [path]
+    with pytest.raises(ValueError,
+                       match=r'trajectory 1: .*compact-00000000-00000002\.parquet'):
+        fresh.read([1])
+    assert_reads_back(fresh, 3, trajs[3])
+    fresh.compact()                        # the damaged file is kept, not merged
+    assert path.exists() and list(fresh.damaged) == [path]
+    assert fresh.append(trajs[0]) == 4                  # no id is reused
+
+
+def test_reader_never_sees_a_compaction_half_done(tmp_path):
+    """metadata() takes the lock shared: while a compaction holds it, a read waits."""
+    store = arl.TrajectoryStore(tmp_path, d=D)
+    for s in range(3):
+        store.append(trajectory(s))
+    with arl.long_trajectories._exclusive(tmp_path):
+        ctx = multiprocessing.get_context('spawn')
+        results = ctx.Queue()
+        p = ctx.Process(target=_read_ids, args=(str(tmp_path), results))
+        p.start()
+        import queue
+        with pytest.raises(queue.Empty):
+            results.get(timeout=3)                      # blocked on the lock
+    assert results.get(timeout=120) == [0, 1, 2]
+    p.join(timeout=60)
+
+
+def _read_ids(root, results):
+    results.put(arl.TrajectoryStore(root).metadata()['id'].to_pylist())
+
+
+# --- the hidden dtype is a parameter of the store ------------------------------------
+
+@pytest.mark.parametrize('dtype', ['float16', 'bfloat16', 'float32'])
+def test_hidden_dtype_recorded_and_read_back(tmp_path, dtype):
+    import torch
+    t = trajectory(0)
+    hidden32 = np.random.default_rng(0).standard_normal((200, D)).astype(np.float32)
+    store = arl.TrajectoryStore(tmp_path, d=D, hidden_dtype=dtype)
+    store.append(dict(t, hidden=hidden32))
+    again = arl.TrajectoryStore(tmp_path)                # taken from store.json
+    assert again.hidden_dtype == dtype
+    assert again.metadata()['hidden_dtype'].to_pylist() == [dtype]
+    (h,) = again.read_hidden([0])
+    want = torch.from_numpy(hidden32).to(getattr(torch, dtype))
+    assert h.dtype == want.dtype and h.shape == (200, D)
+    assert torch.equal(h.view(torch.int16) if dtype != 'float32' else h,
+                       want.view(torch.int16) if dtype != 'float32' else want)
+    other = 'float32' if dtype != 'float32' else 'bfloat16'
+    with pytest.raises(ValueError, match='hidden_dtype'):
+        arl.TrajectoryStore(tmp_path, hidden_dtype=other)
+
+
+def test_bfloat16_store_fills_hidden_buffer_with_the_same_bits(tmp_path):
+    import torch
+    store = arl.TrajectoryStore(tmp_path, d=D, hidden_dtype=torch.bfloat16)
+    hidden = torch.randn(200, D, generator=torch.Generator().manual_seed(0))
+    tid = store.append(dict(trajectory(0), hidden=hidden))
+    (raw,) = store.read([tid], ['hidden'])
+    assert raw['hidden'].dtype == np.uint16                 # the stored bit patterns
+    from_store, from_teacher = arl.HiddenBuffer(torch.bfloat16), \
+        arl.HiddenBuffer(torch.bfloat16)
+    from_store.put(0, store.read_hidden([tid])[0])
+    from_teacher.put(0, hidden)                     # what chapter 17 buffers directly
+    bits = from_store.get([0]).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(bits, raw['hidden'])
+    assert torch.equal(from_store.get([0]).view(torch.int16),
+                       from_teacher.get([0]).view(torch.int16))
+    # the loader path copies the bits: a planned mini-batch holds them too
+    (batch,) = arl.dispatch(store.metadata(), 200, 200)
+    buf = bytearray(batch['nbytes'])
+    views = arl.batch_views(buf, batch)
+    arl.fill_batch(store, batch, views)
+    assert views['hidden'].dtype == np.uint16
+    assert np.array_equal(views['hidden'], raw['hidden'])
+
+
+def test_bfloat16_store_rejects_values_it_cannot_hold(tmp_path):
+    store = arl.TrajectoryStore(tmp_path, d=D, hidden_dtype='bfloat16')
+    t = trajectory(0)
+    big = np.asarray(t['hidden'], np.float64)
+    big[5, 1] = 1e39
+    with pytest.raises(ValueError, match=r'hidden must lie within \+-3\.38953e\+38'):
+        store.append(dict(t, hidden=big))
+    with pytest.raises(ValueError, match='hidden_dtype must be one of'):
+        arl.TrajectoryStore(tmp_path / 'x', d=D, hidden_dtype='int8')

@@ -590,3 +590,92 @@ def test_weights_file_and_format_are_checked(tmp_path):
     with pytest.raises(ValueError, match='policy'):             # group commit is 'step' only
         arl.run_rollout(tmp_path / 'job', spec(policy='token'), writer=arl.GroupCommitWriter)
     assert not (tmp_path / 'job').exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The length bias on the engine: run_with_preemptions
+# ----------------------------------------------------------------------------------------------------
+
+def decoded(traj):
+    """Decoding steps an episode took: its tokens after the prompt."""
+    return len(traj.ids) - 1 - int(traj.action_mask.argmax())
+
+
+def test_run_with_preemptions_resume_equals_the_uninterrupted_run(tmp_path, reference):
+    """Killed at exponential step counts (SIGTERM and SIGKILL), relaunched in the same folder: the
+    finished job is the uninterrupted one, token for token; one run per kill, plus the last."""
+    folder = tmp_path / 'resume'
+    trajs, kills = arl.run_with_preemptions(folder, spec(step_sleep_s=0.0), 0.08, seed=3,
+                                            mode='resume')
+    assert_same(trajs, reference)
+    assert kills and {k['signal'] for k in kills} == {'SIGTERM', 'SIGKILL'}
+    # ('terminated': a SIGTERM that landed as the job was ending, after its handler was gone)
+    assert {k['outcome'] for k in kills} <= {'graceful', 'killed', 'terminated'}
+    assert all(k['discarded'] == k['discarded_tokens'] == 0 for k in kills)
+    started = modes(folder)
+    assert len(started) == len(kills) + 1 and started[0] == 'fresh'
+    assert 'reprefill' in started and set(started[1:]) <= {'snapshot', 'reprefill'}
+
+
+def test_run_with_preemptions_discard_throws_away_and_samples_again(tmp_path, reference):
+    """discard: each request is the first sample of its task that fit between two kills. What run 0
+    finished is the uninterrupted run's; the rest are new samples of the same task (new seeds), each no
+    longer than the steps its run was allowed; every kill lost exactly the requests finished later."""
+    folder = tmp_path / 'discard'
+    trajs, kills = arl.run_with_preemptions(folder, spec(step_sleep_s=0.0), 0.04, seed=1,
+                                            mode='discard')
+    G = SPEC['group_size']
+    assert len(trajs) == len(reference) and kills
+    attempts = [t.info['attempt'] for t in trajs]
+    assert 0 in attempts and max(attempts) == len(kills)       # the last run is the one not killed
+    for rid, t in enumerate(trajs):
+        assert t.info['request'] == rid and t.info['group'] == rid // G
+        if t.info['attempt'] == 0:
+            assert torch.equal(t.ids, reference[rid].ids)
+        if t.info['attempt'] < len(kills):
+            assert decoded(t) <= kills[t.info['attempt']]['steps']
+    assert any(not torch.equal(t.ids, r.ids) for t, r in zip(trajs, reference))
+    for k in kills:
+        assert k['discarded'] == sum(a > k['run'] for a in attempts)
+        assert k['discarded_tokens'] == k['discarded'] * k['steps']
+    # each run decodes in a fresh folder, with seed spec.seed + run
+    assert sorted(p.name for p in folder.iterdir()) == [f'attempt-{k:03d}' for k in range(len(kills) + 1)]
+    assert arl.recover_log(folder / 'attempt-001' / 'rollout.wal').meta['seed'] == 1
+
+
+def test_run_with_preemptions_without_kills_and_its_checks(tmp_path, reference):
+    """rate 0: no kill, both modes give the uninterrupted run. Bad arguments are refused before
+    anything runs; a rate at which the job cannot finish ends in RuntimeError after max_runs."""
+    for mode in arl.PREEMPTION_MODES:
+        trajs, kills = arl.run_with_preemptions(tmp_path / mode, spec(step_sleep_s=0.0), 0, seed=0,
+                                                mode=mode)
+        assert kills == [] and all(torch.equal(t.ids, r.ids) for t, r in zip(trajs, reference))
+    with pytest.raises(ValueError, match='mode'):
+        arl.run_with_preemptions(tmp_path / 'a', spec(), 0.1, 0, 'restart')
+    for rate in (-0.1, float('nan'), float('inf')):
+        with pytest.raises(ValueError, match='rate'):
+            arl.run_with_preemptions(tmp_path / 'a', spec(), rate, 0, 'resume')
+    with pytest.raises(ValueError, match="'none'"):
+        arl.run_with_preemptions(tmp_path / 'a', spec(policy='none'), 0.1, 0, 'resume')
+    with pytest.raises(ValueError, match='p_sigterm'):
+        arl.run_with_preemptions(tmp_path / 'a', spec(), 0.1, 0, 'resume', p_sigterm=2)
+    with pytest.raises(ValueError, match='exists'):
+        arl.run_with_preemptions(tmp_path / 'resume', spec(), 0.1, 0, 'resume')
+    with pytest.raises(TypeError):
+        arl.run_with_preemptions(tmp_path / 'a', SPEC, 0.1, 0, 'resume')
+    assert not (tmp_path / 'a').exists()
+    with pytest.raises(RuntimeError, match='max_runs=2'):
+        arl.run_with_preemptions(tmp_path / 'b', spec(step_sleep_s=0.0), 50.0, 0, 'discard', max_runs=2)
+
+
+def test_read_trajectories_finished_only(tmp_path, reference):
+    """finished_only: a preempted run's finished requests, in request order, equal to the reference's;
+    without it, the unfinished job is refused."""
+    proc = arl.launch_rollout(tmp_path, spec(step_sleep_s=0.01))
+    wait_for_acks(tmp_path, proc, 15)
+    assert arl.preempt_rollout(proc, 10.0) == 'graceful'
+    part = arl.read_trajectories(tmp_path, finished_only=True)
+    assert 0 < len(part) < len(reference)
+    assert_same(part, [reference[t.info['request']] for t in part])
+    with pytest.raises(ValueError, match='has not finished'):
+        arl.read_trajectories(tmp_path)

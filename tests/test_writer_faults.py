@@ -249,6 +249,8 @@ def test_item7_a_forked_child_cannot_stop_the_parents_flusher(tmp_path):
             finally:
                 os._exit(0)
         os.waitpid(pid, 0)
+        time.sleep(0.1)                     # ten of the flusher's longest naps
+        assert w._flusher.poll() is None, 'the child stopped the flusher'
         w.append_tokens(*token_step(5))
         w.commit()
         thread, box = in_thread(w.wait)

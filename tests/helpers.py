@@ -1,4 +1,5 @@
-"""Build small projects (`_toc.yml`, `_toc_zh.yml` and chapter notebooks) in a temporary folder."""
+"""Helpers for the tests: small projects (`_toc.yml`, `_toc_zh.yml` and chapter notebooks) built in
+a temporary folder, and rewards that make a random model's groups train."""
 from pathlib import Path
 
 import nbformat
@@ -58,3 +59,18 @@ class Project:
             lines += [f"  - file: chapters/{c}/{lang}" for c in self.chapters]
             lines += [f"  - file: references_{lang}"]
             (self.root / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def informative_rewards(monkeypatch):
+    """A random model never succeeds, so no group would train: rescore every sampled
+    group's episodes 1, 0, 0, 1, 0, 0, ... (arl.sample_groups patched for this test)."""
+    import agentrl as arl
+    real = arl.sample_groups
+
+    def informative(*args):
+        trajs = real(*args)
+        for i, t in enumerate(trajs):
+            t.reward = float(i % 3 == 0)
+        return trajs
+
+    monkeypatch.setattr(arl, "sample_groups", informative)

@@ -7,19 +7,7 @@ import torch
 
 import agentrl as arl
 from agentrl import rl_loop
-
-
-def _informative(monkeypatch):
-    """A random model never succeeds: rescore rewards so every group trains."""
-    real = arl.sample_groups
-
-    def informative(*args):
-        trajs = real(*args)
-        for i, t in enumerate(trajs):
-            t.reward = float(i % 3 == 0)
-        return trajs
-
-    monkeypatch.setattr(arl, 'sample_groups', informative)
+from helpers import informative_rewards
 
 
 def _batch(tiny_agent, seed=0, n_tasks=4):
@@ -109,7 +97,7 @@ def test_klconfig_validates_its_fields_and_the_parents():
 
 def test_update_without_penalty_is_chapter_7_bit_for_bit(monkeypatch, tiny_agent):
     tasks, tok, model = tiny_agent
-    _informative(monkeypatch)
+    informative_rewards(monkeypatch)
     cfg7 = arl.RLConfig(seed=3, tasks_per_step=4, group_size=4, max_turns=3)
     cfg9 = arl.KLConfig(seed=3, tasks_per_step=4, group_size=4, max_turns=3)
     ref = copy.deepcopy(model)
@@ -117,7 +105,7 @@ def test_update_without_penalty_is_chapter_7_bit_for_bit(monkeypatch, tiny_agent
     a = copy.deepcopy(model)
     ha = rl_loop.train_rl(a, tasks, tok, cfg7, 3, progress=False)
     monkeypatch.undo()
-    _informative(monkeypatch)
+    informative_rewards(monkeypatch)
     assert arl.rl_update.__module__ == 'agentrl.kl'
     for cfg, ref_model in ((cfg7, None), (cfg9, ref)):     # plain and KLConfig, with a ref
         b = copy.deepcopy(model)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import agentrl as arl
+from helpers import informative_rewards
 
 
 @pytest.fixture(scope='module')
@@ -255,15 +256,7 @@ def test_train_multi_turn_caches_and_applies_the_transform(tok, tmp_path, monkey
         assert torch.equal(p, q)
     # 'none' is chapter 10's train_rl without hooks (and so chapter 7's loop); a
     # random model never succeeds, so give the groups unequal rewards: both train
-    real_sample = arl.sample_groups
-
-    def informative(*args):
-        trajs = real_sample(*args)
-        for i, t in enumerate(trajs):
-            t.reward = float(i % 3 == 0)
-        return trajs
-
-    monkeypatch.setattr(arl, 'sample_groups', informative)
+    informative_rewards(monkeypatch)
     m3, h3 = arl.train_multi_turn(model, tasks, tok, cfg, 2, 'none')
     ref = copy.deepcopy(model)
     arl.train_rl(ref, tasks, tok, cfg, 2, progress=False)

@@ -119,6 +119,7 @@ def main(argv=None):
         started=datetime.datetime.now().isoformat(timespec='seconds'),
         steps=args.steps, seeds=args.seeds, eval_every=EVAL_EVERY, eval_n=EVAL_N,
         heldout_tasks=len(heldout_tasks), rl_base=arl.rl_base_path(tok).name,
+        rl_base_recipe=arl.RL_BASE_RECIPE,
         code_hash=arl.code_hash(), torch=torch.__version__, machine=platform.machine(),
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
         settings={})

@@ -838,6 +838,21 @@ def test_fused_linear_kl_refuses_non_finite_inputs(arg, bad, beta):
         arl.fused_linear_kl(*case.values(), 4, beta=beta)
 
 
+def test_finiteness_check_sums_but_never_misjudges():
+    """The check sums each tensor (no temporary as large as a head); a sum that
+    overflows from finite values is not a reason to refuse, +inf and -inf together
+    are."""
+    from agentrl.teacher_scheduling import _all_finite
+    inf = float('inf')
+    assert _all_finite(torch.tensor([3e38, 3e38]))            # the sum overflows
+    assert not _all_finite(torch.tensor([1.0, inf, -inf]))   # the sum is NaN
+    assert not _all_finite(torch.tensor([1.0, -inf]))
+    assert not _all_finite(torch.tensor([float('nan'), 0.0]))
+    assert _all_finite(torch.zeros(0))
+    w = torch.randn(64, 8, requires_grad=True)
+    assert _all_finite(w) and w.grad is None                  # no graph, no gradient
+
+
 def test_fused_linear_kl_refuses_tensors_on_two_devices():
     """Issue item 3: a head on another device must not be read as garbage."""
     case = _fused_case()

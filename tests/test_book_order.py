@@ -1,0 +1,83 @@
+"""Book order is the dependency order (DESIGN.md, "Extraction"): a module uses only names
+saved by its own or earlier chapters, and from chapter 6 on a notebook calls only those
+too, so the dependency graph is a DAG a reader can draw. The edges that still point
+forward are listed here by name, so that no new one appears unnoticed; they are the
+"backward edges" of the one-engine issue (part 1), and the list shrinks as it is done."""
+import importlib
+import json
+import re
+
+import pytest
+
+from conftest import REPO
+
+CHAPTERS = sorted(p.parent.name for p in (REPO / "chapters").glob("*/en.ipynb"))
+FIRST_STRICT_NOTEBOOK = 5            # index of chapter 6: chapters 1-5 may preview
+
+# (user, name used, the later chapter that saves it)
+KNOWN_FORWARD_EDGES = {
+    ("agentrl/diagnostics.py", "pack_sequences", "14_scaling"),
+    ("agentrl/diagnostics.py", "packed_logits", "14_scaling"),
+    ("13_diagnostics/en.ipynb", "pack_sequences", "14_scaling"),     # the saved cell
+    ("13_diagnostics/en.ipynb", "packed_logits", "14_scaling"),
+    ("09_kl/en.ipynb", "compare_runs", "12_evaluation"),
+    ("11_multi_turn/en.ipynb", "wilson_interval", "12_evaluation"),
+}
+
+
+def module_of(chapter):
+    return chapter.split("_", 1)[1]
+
+
+def home_chapters():
+    """Saved name -> index of the chapter whose module defines it."""
+    home = {}
+    for i, chapter in enumerate(CHAPTERS):
+        module = importlib.import_module(f"agentrl.{module_of(chapter)}")
+        for name in module.__all__:
+            home.setdefault(name, i)
+    return home
+
+
+def arl_names(source):
+    """Names used as `arl.<name>` in Python source."""
+    return set(re.findall(r"\barl\.([A-Za-z_]\w*)", source))
+
+
+def forward_edges():
+    home = home_chapters()
+    edges = set()
+    for i, chapter in enumerate(CHAPTERS):
+        path = REPO / "agentrl" / f"{module_of(chapter)}.py"
+        for name in arl_names(path.read_text()):
+            if home.get(name, -1) > i:
+                edges.add((f"agentrl/{path.name}", name, CHAPTERS[home[name]]))
+        if i < FIRST_STRICT_NOTEBOOK:
+            continue
+        nb = json.loads((REPO / "chapters" / chapter / "en.ipynb").read_text())
+        for cell in nb["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            for name in arl_names("".join(cell["source"])):
+                if home.get(name, -1) > i:
+                    edges.add((f"{chapter}/en.ipynb", name, CHAPTERS[home[name]]))
+    return edges
+
+
+def test_no_new_forward_edges():
+    new = forward_edges() - KNOWN_FORWARD_EDGES
+    assert not new, ("these use a name that a later chapter saves (book order is the "
+                     f"dependency order): {sorted(new)}")
+
+
+def test_the_list_of_known_edges_is_current():
+    gone = KNOWN_FORWARD_EDGES - forward_edges()
+    assert not gone, f"fixed, so remove them from KNOWN_FORWARD_EDGES: {sorted(gone)}"
+
+
+@pytest.mark.parametrize("source, names", [
+    ("x = arl.train_rl(a, arl.RLConfig())", {"train_rl", "RLConfig"}),
+    ("carl.x; arl_y; 'arl.z'", {"z"}),      # text, not syntax: a string counts too
+])
+def test_arl_names(source, names):
+    assert arl_names(source) == names

@@ -21,7 +21,7 @@ from collections import deque
 import agentrl as arl
 import multiprocessing
 import sys
-import dataclasses
+from dataclasses import replace
 
 
 def simulate_interruptions(lengths, lam, n_complete, rng, resume):
@@ -1245,6 +1245,12 @@ def rollout_main(argv=None):
 PREEMPTION_MODES = ('resume', 'discard')
 
 
+def decoded_steps(traj):
+    """Decoding steps an episode took: its tokens after the prompt, which ends where
+    the first sampled token begins."""
+    return len(traj.ids) - 1 - int(traj.action_mask.argmax())
+
+
 def _count_lines(path):
     return path.read_bytes().count(b'\n') if path.exists() else 0
 
@@ -1330,17 +1336,15 @@ def run_with_preemptions(workdir, spec, rate, seed, mode, *, p_sigterm=0.5,
             if rid not in done:
                 missing.setdefault(rid // G, []).append(rid)
         g = max(map(len, missing.values()))
-        job = dataclasses.replace(spec, n_tasks=max(missing) + 1, group_size=g,
-                                  seed=spec.seed + run)
+        job = replace(spec, n_tasks=max(missing) + 1, group_size=g,
+                      seed=spec.seed + run)
         folder = workdir / f'attempt-{run:03d}'
         outcome = _run_until_kill(folder, job, steps, signal_name, grace_s)
         for traj in read_trajectories(folder, finished_only=True):
             t, i = divmod(traj.info['request'], g)
-            # the prompt ends where the first sampled token begins
-            length = len(traj.ids) - 1 - int(traj.action_mask.argmax())
-            if i < len(missing.get(t, ())) and length <= steps:
+            if i < len(missing.get(t, ())) and decoded_steps(traj) <= steps:
                 rid = missing[t][i]
-                done[rid] = dataclasses.replace(
+                done[rid] = replace(
                     traj, info=dict(traj.info, request=rid, attempt=run))
         if len(done) == n:
             return [done[rid] for rid in range(n)], kills
@@ -1406,5 +1410,6 @@ __all__ = [
     'preempt_rollout',
     'rollout_main',
     'PREEMPTION_MODES',
+    'decoded_steps',
     'run_with_preemptions',
 ]

@@ -679,3 +679,12 @@ def test_read_trajectories_finished_only(tmp_path, reference):
     assert_same(part, [reference[t.info['request']] for t in part])
     with pytest.raises(ValueError, match='has not finished'):
         arl.read_trajectories(tmp_path)
+
+
+def test_decoded_steps_counts_tokens_after_the_prompt():
+    # prompt of 3 tokens (ids 0..2), then 3 decoded ones: the observation in the middle
+    # (mask 0) was forced but came after the first sampled token, so it counts as a step
+    ids = torch.tensor([1, 5, 6, 7, 8, 9])
+    mask = torch.tensor([0, 0, 1, 0, 1])       # ids[t + 1] sampled
+    traj = arl.Trajectory(ids, mask, torch.zeros(5), 0.0)
+    assert arl.decoded_steps(traj) == 3

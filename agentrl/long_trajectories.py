@@ -537,6 +537,7 @@ class TrajectoryStore:
         self.counters['heavy_opens'] += 1
         source.seek(0)
         return batch, source.read_buffer(1).address      # the address of byte 0
+
     def read(self, ids, fields=HEAVY_FIELDS, ranges=None):
         """Views of heavy fields -> list (one per id) of {field: array}.
 

@@ -504,13 +504,10 @@ def test_dispatch_order_teacher_groups_each_minibatch_by_teacher():
         arl.dispatch(meta, 4096, 2**16, order='length')
 
 
-def test_dispatch_of_many_rows_is_vectorised_and_exact():
-    import time
+def test_dispatch_of_many_rows_covers_every_token_within_budget():
+    # its speed is measured in chapter 19 (dispatch-scale), not asserted here
     meta = synthetic_meta(100_000)
-    t = time.perf_counter()
     plan = arl.dispatch(meta, 2**18, 2**22, seed=0, order='teacher')
-    seconds = time.perf_counter() - t
     seg = np.concatenate([b['segments'] for b in plan])
     assert (seg[:, 2] - seg[:, 1]).sum() == meta['length'].to_numpy().sum()
     assert all(b['tokens'] <= 2**22 for b in plan)
-    assert seconds < 20                     # a loose bound: about 0.1 s on one core

@@ -7,7 +7,6 @@ import numbers
 import torch
 import agentrl as arl
 import dataclasses
-from pathlib import Path
 from dataclasses import dataclass
 from tqdm.auto import tqdm
 
@@ -87,12 +86,9 @@ TEACHER_RECIPE = dict(steps=50, tasks_per_step=32, lr=1e-3, seed=0, eval_n=8,
 
 
 def distill_modules():
-    """The modules whose source keys this chapter's cached runs (arl.RUN_MODULES
-    plus the KL, rewards and distillation chapters): those that exist in this
-    installation of the package."""
-    here = Path(arl.__file__).parent
-    return tuple(m for m in arl.RUN_MODULES + ('kl', 'rewards', 'distillation')
-                 if (here / f'{m}.py').exists())
+    """The modules whose source keys this chapter's cached runs: the book up to this
+    chapter (arl.book_modules)."""
+    return arl.book_modules('distillation')
 
 
 def make_teachers(tok, recipe=None, base=None, families=None, with_history=False):

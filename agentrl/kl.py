@@ -30,20 +30,14 @@ def kl_estimate(logp, ref_logp, estimator='k3'):
     return torch.expm1(log_r) - log_r
 
 
-def token_entropy(logits):
-    """Exact entropy of softmax(logits) in nats: logits [..., V] -> [...]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 @dataclass
 class KLConfig(arl.RLConfig):
     """RLConfig plus a KL penalty to a reference model and an entropy bonus.
 
     kl_mode 'loss': kl_coef * kl_estimate(...) is added to the loss on policy tokens
     (GRPO's way); 'reward': the detached estimate, times kl_coef, is subtracted from
-    each token's advantage (PPO-RLHF's per-token KL reward). entropy_coef weighs a
-    bonus on the exact per-token entropy of the policy.
+    each token's advantage (after the group normalisation: see the text). entropy_coef
+    weighs a bonus on the exact per-token entropy of the policy.
     """
     kl_coef: float = 0.0
     kl_estimator: str = 'k3'
@@ -63,108 +57,73 @@ class KLConfig(arl.RLConfig):
         if not self.entropy_coef >= 0:
             raise ValueError(f'entropy_coef must be >= 0, got {self.entropy_coef}')
 
+    def update_terms(self, ref_model):
+        """Chapter 7's rl_update gets a KLPenalty when a reference model is given (it
+        measures kl_ref even at kl_coef 0) and an EntropyBonus when entropy_coef > 0."""
+        if self.kl_coef > 0 and ref_model is None:
+            raise ValueError('ref_model is None but cfg.kl_coef > 0: the KL penalty '
+                             'needs a reference model')
+        terms = []
+        if ref_model is not None:
+            terms.append(KLPenalty(ref_model, self.kl_coef, self.kl_estimator,
+                                   self.kl_mode))
+        if self.entropy_coef > 0:
+            terms.append(EntropyBonus(self.entropy_coef))
+        return terms
 
-def rl_update(model, optimizer, batch, advantages, cfg, ref_model=None, generator=None):
-    """Chapter 7's rl_update with a KL penalty to ref_model and an entropy bonus
-    -> stats dict.
 
-    batch: dict from collate (ids [B, T], action_mask [B, T-1], length [B]);
-    advantages [B]. cfg: a KLConfig (a plain RLConfig means no penalty and no bonus:
-    then the update is chapter 7's, bit for bit). Stats: chapter 7's (update_tokens,
-    loss, grad_norm, clip_frac) plus entropy (mean exact entropy of pi per policy token)
-    and kl_ref (mean k3 estimate of KL(pi || ref) per policy token, when ref_model is
-    given), both from the first epoch's forward pass, and ratio_min / ratio_max (of
-    pi / pi_old over the policy tokens of the last epoch; 1.0 with one epoch).
-    """
-    kl_coef = getattr(cfg, 'kl_coef', 0.0)
-    kl_estimator = getattr(cfg, 'kl_estimator', 'k3')
-    kl_mode = getattr(cfg, 'kl_mode', 'loss')
-    entropy_coef = getattr(cfg, 'entropy_coef', 0.0)
-    if kl_coef > 0 and ref_model is None:
-        raise ValueError('ref_model is None but cfg.kl_coef > 0: the KL penalty needs '
-                         'a reference model')
-    mask_all = batch['action_mask']                          # [B, T-1]
-    n_tokens = mask_all.sum()
-    if n_tokens == 0:      # nothing measured: no entropy or kl_ref
-        return dict(update_tokens=0, loss=0.0, grad_norm=0.0, clip_frac=0.0,
-                    ratio_min=1.0, ratio_max=1.0)
-    # [B, T-1] each, filled by the first step
-    old_logp = torch.zeros_like(mask_all)
-    ref_logp = torch.zeros_like(mask_all)
-    stats = dict(update_tokens=int(n_tokens))
-    if ref_model is not None:
-        ref_model.eval()
-    for epoch in range(cfg.epochs):
-        model.train()
-        optimizer.zero_grad()
-        if generator is not None:
-            order = torch.randperm(len(mask_all), generator=generator)
-        else:
-            order = torch.arange(len(mask_all))
-        total, clipped, entropy, kl_ref = 0.0, 0.0, 0.0, 0.0
-        r_min, r_max = float('inf'), 0.0
-        for rows in order.split(cfg.micro_batch_size):
-            width = int(batch['length'][rows].max())         # trim padding
-            ids, mask = batch['ids'][rows, :width], mask_all[rows, :width - 1]
-            sl = (rows, slice(0, width - 1))
-            logits = model(ids)                              # [b, width, V]
-            # the ops of arl.sequence_log_probs: [b, width-1]
-            logp = arl.selected_log_probs(logits[:, :-1], ids[:, 1:])
-            if epoch == 0:
-                old_logp[sl] = logp.detach()
-                with torch.no_grad():
-                    ent = token_entropy(logits[:, :-1])      # [b, width-1]
-                    entropy += (ent * mask).sum().item()
-                    if ref_model is not None:
-                        ref_logp[sl] = arl.sequence_log_probs(ref_model, ids)
-                        k3 = kl_estimate(logp, ref_logp[sl], 'k3')
-                        kl_ref += (k3 * mask).sum().item()
-            # 1 in value at the first step
-            ratio = torch.exp(logp - old_logp[sl])
-            adv = advantages[rows][:, None]                  # [b, 1]
-            if kl_coef > 0 and kl_mode == 'reward':
-                # per-token penalty from the policy the batch was sampled with
-                penalty = kl_estimate(old_logp[sl], ref_logp[sl], kl_estimator)
-                adv = adv - kl_coef * penalty                # [b, width-1]
-            clipped_ratio = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
-            objective = torch.min(ratio * adv, clipped_ratio * adv)
-            loss = -(objective * mask).sum() / n_tokens
-            if kl_coef > 0 and kl_mode == 'loss':
-                kl = kl_estimate(logp, ref_logp[sl], kl_estimator)
-                loss = loss + kl_coef * (kl * mask).sum() / n_tokens
-            if entropy_coef > 0:
-                ent_grad = token_entropy(logits[:, :-1])     # [b, width-1], with grad
-                loss = loss - entropy_coef * (ent_grad * mask).sum() / n_tokens
-            loss.backward()
-            total += loss.item()
-            with torch.no_grad():
-                out = (((ratio > 1 + cfg.clip_eps) & (adv > 0))
-                       | ((ratio < 1 - cfg.clip_eps) & (adv < 0)))
-                clipped += (out * mask).sum().item()
-                on = ratio[mask.bool()]
-                if on.numel():
-                    r_min = min(r_min, on.min().item())
-                    r_max = max(r_max, on.max().item())
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                         cfg.max_grad_norm))
-        optimizer.step()
-        if epoch == 0:
-            stats.update(loss=total, grad_norm=grad_norm,
-                         entropy=entropy / n_tokens.item())
-            if ref_model is not None:
-                stats['kl_ref'] = kl_ref / n_tokens.item()
-        stats['clip_frac'] = clipped / n_tokens.item()       # of the last step
-        if cfg.epochs == 1:
-            r_min, r_max = 1.0, 1.0
-        stats.update(ratio_min=r_min, ratio_max=r_max)
-    model.eval()
-    return stats
+class KLPenalty(arl.UpdateTerm):
+    """coef * KL(pi || ref_model), estimated per policy token, in the loss or in the
+    advantages (mode); adds kl_ref, the mean k3 estimate per policy token in the first
+    epoch, to the update's stats. The reference's log-probs are computed once per
+    batch, in the first epoch, without gradient."""
+
+    def __init__(self, ref_model, coef, estimator='k3', mode='loss'):
+        self.ref_model, self.coef = ref_model, coef
+        self.estimator, self.mode = estimator, mode
+
+    def start(self, batch):
+        self.ref_model.eval()
+        self.ref_logp = torch.zeros_like(batch['action_mask'])    # [B, T-1]
+        self.kl_ref = 0.0
+
+    def observe(self, ids, logp, mask, sl):
+        self.ref_logp[sl] = arl.sequence_log_probs(self.ref_model, ids)
+        k3 = kl_estimate(logp, self.ref_logp[sl], 'k3')          # [b, width-1]
+        self.kl_ref += (k3 * mask).sum().item()
+
+    def advantages(self, adv, old_logp, sl):
+        if self.coef > 0 and self.mode == 'reward':
+            # per-token penalty from the policy the batch was sampled with
+            penalty = kl_estimate(old_logp[sl], self.ref_logp[sl], self.estimator)
+            return adv - self.coef * penalty                     # [b, width-1]
+        return adv
+
+    def loss(self, logits, logp, mask, sl, n_tokens):
+        if self.coef > 0 and self.mode == 'loss':
+            kl = kl_estimate(logp, self.ref_logp[sl], self.estimator)
+            return self.coef * (kl * mask).sum() / n_tokens
+        return None
+
+    def stats(self, n_tokens):
+        return dict(kl_ref=self.kl_ref / n_tokens.item())
+
+
+class EntropyBonus(arl.UpdateTerm):
+    """-coef * (exact entropy of pi per policy token), with gradient, in the loss."""
+
+    def __init__(self, coef):
+        self.coef = coef
+
+    def loss(self, logits, logp, mask, sl, n_tokens):
+        entropy = arl.token_entropy(logits[:, :-1])              # [b, width-1]
+        return -(self.coef * (entropy * mask).sum() / n_tokens)
 
 
 __all__ = [
     'KL_ESTIMATORS',
     'kl_estimate',
-    'token_entropy',
     'KLConfig',
-    'rl_update',
+    'KLPenalty',
+    'EntropyBonus',
 ]

@@ -294,8 +294,7 @@ def train_multi_turn(base, tasks, tok, cfg, steps, transform='none', eval_tasks=
         return history
 
     return arl.cached_training('multi_turn', base, key, train,
-                               modules=arl.RUN_MODULES + ('kl', 'rewards',
-                                                          'multi_turn'))
+                               modules=arl.book_modules('multi_turn'))
 
 
 __all__ = [

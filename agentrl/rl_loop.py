@@ -47,6 +47,11 @@ class RLConfig(arl.SamplingConfig):
                              f'>= 2, got {self.epochs}, {self.micro_batch_size}, '
                              f'{self.group_size}')
 
+    def update_terms(self, ref_model):
+        """The parts (UpdateTerm) this config adds to rl_update: none, so ref_model is
+        unused; chapter 9's KLConfig adds a KL penalty and an entropy bonus."""
+        return ()
+
 
 def sample_step(model, env_fn, tasks, tok, cfg, generator):
     """Sample cfg.group_size episodes for each of cfg.tasks_per_step random tasks
@@ -67,25 +72,66 @@ def sample_step(model, env_fn, tasks, tok, cfg, generator):
     return kept, sampled
 
 
+def token_entropy(logits):
+    """Exact entropy of softmax(logits) in nats: logits [..., V] -> [...]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+class UpdateTerm:
+    """A part that a later chapter adds to rl_update; this base class changes nothing.
+
+    cfg.update_terms(ref_model) lists a run's parts (chapter 9: a KL penalty and an
+    entropy bonus). rl_update calls start(batch) once; then, for each micro-batch, with
+    sl = (rows, slice(0, width - 1)) indexing the batch's [B, T-1] tensors:
+    observe(ids, logp, mask, sl) in the first epoch, without gradient; advantages(adv,
+    old_logp, sl) -> the advantages of the surrogate ([b, 1] or [b, width-1]); and
+    loss(logits, logp, mask, sl, n_tokens) -> a scalar added to the loss, or None.
+    stats(n_tokens) -> dict joins the update's stats after the first epoch.
+    """
+
+    def start(self, batch):
+        pass
+
+    def observe(self, ids, logp, mask, sl):
+        pass
+
+    def advantages(self, adv, old_logp, sl):
+        return adv
+
+    def loss(self, logits, logp, mask, sl, n_tokens):
+        return None
+
+    def stats(self, n_tokens):
+        return {}
+
+
 def rl_update(model, optimizer, batch, advantages, cfg, ref_model=None, generator=None):
-    """cfg.epochs optimiser steps on one batch (dict from collate; advantages [B])
-    -> stats dict: update_tokens (policy tokens in the batch), loss and grad_norm (of
-    the first step), clip_frac (share of tokens clipped in the last step).
+    """cfg.epochs optimiser steps on one batch (dict from collate: ids [B, T],
+    action_mask [B, T-1], length [B]; advantages [B]) -> stats dict.
 
     Micro-batches of cfg.micro_batch_size rows divide their loss by the batch's total
     number of policy tokens, so the accumulated gradient equals the full-batch
     token-mean gradient. The first step is REINFORCE; later steps weigh each token by
     the ratio pi / pi_old, clipped to 1 +- cfg.clip_eps (PPO). Gradients are clipped to
-    cfg.max_grad_norm. ref_model is accepted for the KL penalty of chapter 9 and unused
-    here. A batch with no policy tokens (e.g. collate([]) when every group had equal
-    rewards) trains nothing: no optimiser step, and the stats say so (update_tokens 0).
+    cfg.max_grad_norm. The parts cfg.update_terms(ref_model) returns (UpdateTerm) add
+    to the advantages, the loss and the stats; chapter 7's RLConfig has none.
+    Stats: update_tokens (policy tokens in the batch); loss, grad_norm and entropy
+    (mean exact entropy of pi per policy token) of the first step; clip_frac (share of
+    tokens clipped) and ratio_min / ratio_max (of pi / pi_old over the policy tokens;
+    1.0 with one epoch) of the last step. A batch with no policy tokens (collate([])
+    when every group had equal rewards) trains nothing: no optimiser step, and the stats
+    say so (update_tokens 0).
     """
+    terms = cfg.update_terms(ref_model)
     mask_all = batch['action_mask']                          # [B, T-1]
     n_tokens = mask_all.sum()
     if n_tokens == 0:
-        return dict(update_tokens=0, loss=0.0, grad_norm=0.0, clip_frac=0.0)
-    # [B, T-1], filled by the first step
-    old_logp = torch.zeros_like(mask_all)
+        return dict(update_tokens=0, loss=0.0, grad_norm=0.0, clip_frac=0.0,
+                    ratio_min=1.0, ratio_max=1.0)
+    for term in terms:
+        term.start(batch)
+    old_logp = torch.zeros_like(mask_all)     # [B, T-1], filled by the first step
     # not 'policy_tokens': behavior_stats' per-episode key; both fit in one dict
     stats = dict(update_tokens=int(n_tokens))
     for epoch in range(cfg.epochs):
@@ -95,33 +141,62 @@ def rl_update(model, optimizer, batch, advantages, cfg, ref_model=None, generato
             order = torch.randperm(len(mask_all), generator=generator)
         else:
             order = torch.arange(len(mask_all))
-        total, clipped = 0.0, 0.0
+        step = dict(loss=0.0, clipped=0.0, entropy=0.0, r_min=float('inf'), r_max=0.0)
         for rows in order.split(cfg.micro_batch_size):
-            width = int(batch['length'][rows].max())         # trim padding
-            ids, mask = batch['ids'][rows, :width], mask_all[rows, :width - 1]
-            logp = arl.sequence_log_probs(model, ids)        # [b, width-1]
-            if epoch == 0:
-                old_logp[rows, :width - 1] = logp.detach()
-            # 1 in value at the first step
-            ratio = torch.exp(logp - old_logp[rows, :width - 1])
-            adv = advantages[rows][:, None]                  # [b, 1]
-            clipped_ratio = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
-            objective = torch.min(ratio * adv, clipped_ratio * adv)
-            loss = -(objective * mask).sum() / n_tokens
-            loss.backward()
-            total += loss.item()
-            with torch.no_grad():
-                out = (((ratio > 1 + cfg.clip_eps) & (adv > 0))
-                       | ((ratio < 1 - cfg.clip_eps) & (adv < 0)))
-                clipped += (out * mask).sum().item()
+            _micro_step(model, batch, rows, advantages, old_logp, n_tokens, cfg,
+                        terms, epoch, step)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                          cfg.max_grad_norm))
         optimizer.step()
         if epoch == 0:
-            stats.update(loss=total, grad_norm=grad_norm)
-        stats['clip_frac'] = clipped / n_tokens.item()       # of the last step
+            stats.update(loss=step['loss'], grad_norm=grad_norm,
+                         entropy=step['entropy'] / n_tokens.item())
+            for term in terms:
+                stats.update(term.stats(n_tokens))
+        stats['clip_frac'] = step['clipped'] / n_tokens.item()   # of the last step
+        if cfg.epochs == 1:
+            step.update(r_min=1.0, r_max=1.0)
+        stats.update(ratio_min=step['r_min'], ratio_max=step['r_max'])
     model.eval()
     return stats
+
+
+def _micro_step(model, batch, rows, advantages, old_logp, n_tokens, cfg, terms, epoch,
+                step):
+    """Forward and backward of one micro-batch (rows [b]) of rl_update, adding its
+    loss, clipped tokens, entropy and ratio extremes to the dict `step`."""
+    width = int(batch['length'][rows].max())                 # trim padding
+    ids, mask = batch['ids'][rows, :width], batch['action_mask'][rows, :width - 1]
+    sl = (rows, slice(0, width - 1))
+    logits = model(ids)                                      # [b, width, V]
+    logp = arl.selected_log_probs(logits[:, :-1], ids[:, 1:])    # [b, width-1]
+    if epoch == 0:
+        old_logp[sl] = logp.detach()
+        with torch.no_grad():
+            step['entropy'] += (token_entropy(logits[:, :-1]) * mask).sum().item()
+            for term in terms:
+                term.observe(ids, logp, mask, sl)
+    ratio = torch.exp(logp - old_logp[sl])        # [b, width-1]; 1 in value at epoch 0
+    adv = advantages[rows][:, None]                          # [b, 1]
+    for term in terms:
+        adv = term.advantages(adv, old_logp, sl)
+    clipped_ratio = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
+    objective = torch.min(ratio * adv, clipped_ratio * adv)
+    loss = -(objective * mask).sum() / n_tokens
+    for term in terms:
+        extra = term.loss(logits, logp, mask, sl, n_tokens)
+        if extra is not None:
+            loss = loss + extra
+    loss.backward()
+    step['loss'] += loss.item()
+    with torch.no_grad():
+        out = (((ratio > 1 + cfg.clip_eps) & (adv > 0))
+               | ((ratio < 1 - cfg.clip_eps) & (adv < 0)))
+        step['clipped'] += (out * mask).sum().item()
+        on = ratio[mask.bool()]
+        if on.numel():
+            step['r_min'] = min(step['r_min'], on.min().item())
+            step['r_max'] = max(step['r_max'], on.max().item())
 
 
 OUTCOMES = ('correct', 'wrong', 'turn_limit', 'token_limit')
@@ -141,18 +216,45 @@ def behavior_stats(trajs):
     return stats
 
 
+def informative_groups(trajs):
+    """Keep the groups (consecutive episodes of one task and group) whose rewards are
+    not all equal: list of Trajectory -> list of Trajectory, order kept.
+
+    sample_step does this for groups of cfg.group_size episodes; this version also
+    accepts groups that a transform has shrunk (e.g. by dropping truncated episodes).
+    """
+    groups = []
+    for t in trajs:
+        key = (t.info.get('task'), t.info.get('group'))
+        if not groups or groups[-1][0] != key:
+            groups.append((key, []))
+        groups[-1][1].append(t)
+    return [t for _, g in groups if len({u.reward for u in g}) > 1 for t in g]
+
+
 def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval_n=8,
-             ref_model=None, progress=True):
+             ref_model=None, progress=True, transform=None, update_fn=None):
     """The RL loop, training `model` in place: sample, drop zero-advantage groups,
     rl_update -> history.
 
     history: one dict per step (behaviour of the sampled batch, kept/sampled counts,
     update stats, lr), plus 'heldout' (arl.evaluate on eval_tasks with eval_n episodes
     each) every eval_every steps and after the last. progress=False hides the progress
-    bar.
+    bar. Two hooks for later chapters, both None here:
+    transform(sampled, step) -> list of Trajectory is applied to each step's sampled
+    episodes before the groups with equal rewards are dropped; it may rescore rewards
+    (chapter 10), change action masks or drop episodes (chapter 11), but must keep each
+    group's episodes consecutive and not draw from the training generator. The
+    behaviour recorded is then that of the transformed episodes ('reward' the rescored
+    one; the outcome shares stay the environment's).
+    update_fn: called instead of arl.rl_update, with its arguments, e.g. to trace the
+    update or inject a bug (chapter 13).
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f'steps must be an int >= 1, got {steps!r}')
+    for name, hook in (('transform', transform), ('update_fn', update_fn)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f'{name} must be callable or None, got {type(hook)}')
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -162,6 +264,7 @@ def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval
         decay = lambda s: 1.0
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
     env_fn = lambda: arl.make_env(cfg)
+    update = arl.rl_update if update_fn is None else update_fn
 
     def evaluate(step):
         return arl.evaluate(model, eval_tasks, tok, eval_n,
@@ -173,12 +276,15 @@ def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval
         if eval_tasks is not None and step % eval_every == 0:
             record['heldout'] = evaluate(step)
         kept, sampled = sample_step(model, env_fn, tasks, tok, cfg, gen)
+        if transform is not None:
+            sampled = transform(sampled, step)
+            kept = informative_groups(sampled)
         record.update(behavior_stats(sampled), kept=len(kept), sampled=len(sampled))
         if kept:
             batch = arl.collate(kept, tok.pad_id)
             advantages = arl.compute_advantages(batch, cfg)
-            record.update(arl.rl_update(model, optimizer, batch, advantages, cfg,
-                                        ref_model, gen))
+            record.update(update(model, optimizer, batch, advantages, cfg,
+                                 ref_model, gen))
         schedule.step()
         history.append(record)
     if eval_tasks is not None:
@@ -186,11 +292,22 @@ def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval
     return history
 
 
-# The modules a run of this loop executes: the book up to this chapter, and the two
-# later chapters that rebind names it calls (chapter 9's rl_update and chapter 10's
-# train_rl, each equal to this chapter's without their new options).
+# The modules a run of this loop executes: the book up to this chapter. A later
+# chapter's parts (its config's update terms, its hooks) are in its own module, which
+# that chapter's cached runs add to these.
 RUN_MODULES = ('introduction', 'tasks', 'model', 'sampling', 'sft', 'policy_gradient',
-               'rl_loop', 'kl', 'rewards')
+               'rl_loop')
+
+
+def book_modules(upto):
+    """The package's modules in book order, from chapter 1 up to and including the
+    module `upto` (e.g. 'kl') -> tuple of names: the code that a run owned by that
+    chapter can execute, since no module uses a name a later chapter saves
+    (tests/test_book_order.py)."""
+    order = arl._MODULES
+    if upto not in order:
+        raise ValueError(f'upto must be one of the package modules {order}, got {upto!r}')
+    return order[:order.index(upto) + 1]
 
 
 def code_hash(modules=RUN_MODULES):
@@ -275,11 +392,15 @@ def train_rl_cached(base, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10
 __all__ = [
     'RLConfig',
     'sample_step',
+    'token_entropy',
+    'UpdateTerm',
     'rl_update',
     'OUTCOMES',
     'behavior_stats',
+    'informative_groups',
     'train_rl',
     'RUN_MODULES',
+    'book_modules',
     'code_hash',
     'model_hash',
     'tasks_hash',

@@ -57,7 +57,9 @@ def test_defaults_train_exactly_as_chapter_7(setup):
 
 
 def test_shared_stats_agree_with_chapter_9(setup):
-    _, s9 = _update(setup, arl.rl_update, ref=True)
+    model, _, batch, adv, cfg = setup
+    kl_cfg = arl.KLConfig(**dataclasses.asdict(cfg))    # chapter 9's parts, no penalty
+    _, s9 = _update((model, None, batch, adv, kl_cfg), arl.rl_update, ref=True)
     _, st = _update(setup, ref=True)
     for key in ('loss', 'grad_norm', 'clip_frac', 'entropy', 'kl_ref', 'ratio_min',
                 'ratio_max'):

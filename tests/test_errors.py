@@ -105,3 +105,23 @@ def test_run_modules_cover_what_chapter_7_runs_execute():
         assert module in arl.RUN_MODULES, (name, module)
     assert arl.code_hash() == arl.source_hash(arl.RUN_MODULES)
     assert arl.source_hash(('tasks', 'tasks')) == arl.source_hash(('tasks',))
+    assert arl.RUN_MODULES == arl.book_modules('rl_loop')
+
+
+def test_book_modules_are_the_book_up_to_a_chapter():
+    assert arl.book_modules('introduction') == ('introduction',)
+    assert arl.book_modules('kl') == arl.RUN_MODULES + ('off_policy', 'kl')
+    assert arl.book_modules('long_trajectories') == arl._MODULES
+    assert arl.distill_modules() == arl.book_modules('distillation')
+    with pytest.raises(ValueError, match='upto'):
+        arl.book_modules('nope')
+
+
+def test_a_changed_statement_in_any_module_up_to_the_owner_changes_the_key(monkeypatch):
+    from agentrl import sft
+    before = {m: arl.code_hash(arl.book_modules(m)) for m in ('rl_loop', 'kl', 'scaling')}
+    real = sft._module_code
+    monkeypatch.setattr(sft, '_module_code', lambda m: real(m) + ('x' if m == 'kl' else ''))
+    after = {m: arl.code_hash(arl.book_modules(m)) for m in ('rl_loop', 'kl', 'scaling')}
+    assert after['rl_loop'] == before['rl_loop']          # kl is after chapter 7
+    assert after['kl'] != before['kl'] and after['scaling'] != before['scaling']

@@ -137,15 +137,24 @@ def test_duplicate_name_names_both_notebooks(book):
     assert not (book.root / "agentrl").exists()
 
 
-def test_redefine_and_cross_chapter_calls(book):
+def test_redefine_is_refused_and_cross_chapter_calls_work(book):
     book.chapter("01_one", [code("a", "#@save\ndef f():\n    return 1\n\ndef g():\n    return 10")])
     book.chapter("02_two", [code("b", "#@save redefine\nimport agentrl as arl\n\n"
                                       "def f():\n    return 2 + arl.g()")])
+    with pytest.raises(ToolError, match=r"#@save redefine.*never redefines"):
+        extract.generate(book.root)
+    assert extract.main(book.root) == 2 and not (book.root / "agentrl").exists()
+    book.chapter("02_two", [code("b", "#@save\nimport agentrl as arl\n\n"
+                                      "def h():\n    return 2 + arl.g()")])
+    with pytest.raises(ToolError, match=r"'f' is already defined by chapters/01_one"):
+        book.chapter("03_three", [code("c", "#@save\ndef f():\n    return 3")])
+        extract.generate(book.root)
+    (book.root / "chapters" / "03_three" / "en.ipynb").unlink()
     assert extract.main(book.root) == 0
     out = run_python(book, "import agentrl as arl; from agentrl import one, two\n"
-                           "print(arl.f(), one.f(), two.f(), arl.__all__, arl.__version__)")
-    assert out.split()[:3] == ["12", "1", "12"]
-    assert "['f', 'g']" in out  # a redefined name is exported once
+                           "print(arl.h(), one.f(), arl.__all__, arl.__version__)")
+    assert out.split()[:2] == ["12", "1"]
+    assert "['f', 'g', 'h']" in out
 
 
 def test_syntax_error_names_notebook_and_cell(book):

@@ -5,8 +5,9 @@
 
 A code cell whose first line is `#@save` contributes its imports, functions, classes and
 UPPER_CASE constants to the module named after its chapter (`chapters/14_scaling` ->
-`agentrl/scaling.py`); every other statement stays notebook-only. `#@save redefine` marks a
-deliberate redefinition of a public name that another saved cell already defines.
+`agentrl/scaling.py`); every other statement stays notebook-only. A public name is saved once: a later chapter
+extends an earlier one (a subclass, a part passed as an argument) and never rebinds its names,
+so every `arl.<name>` means one thing in every chapter.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Piece:
 
 
 def save_flag(source: str) -> str | None:
-    """None if the cell is not saved, else its option ('' or 'redefine')."""
+    """None if the cell is not saved, else the text after `#@save` (must be '')."""
     first = source.split("\n", 1)[0].strip()
     m = SAVE_RE.fullmatch(first)
     return None if m is None else m.group(1).strip()
@@ -147,14 +148,14 @@ def render_init(modules: list[str], version: str) -> str:
     """The text of the generated `agentrl/__init__.py`."""
     doc = ('"""Agentic RL from Scratch: the code saved by the book\'s chapters.\n\n'
            "One module per chapter; every saved name is re-exported here in book order, so\n"
-           "`import agentrl as arl; arl.<name>` works (a later chapter's redefinition wins).\n\n"
+           "`import agentrl as arl; arl.<name>` works; no chapter rebinds another's names.\n\n"
            f"This file is {MARK}.\n" + '"""\n')
     imports = "".join(f"from .{m} import *  # noqa: F401,F403\n" for m in modules)
     if modules:  # each module lists its names once, in its own __all__; here they are only gathered
         # import_module, not `from . import m`: a star import may have bound a saved name equal to a module's
         imports = "from importlib import import_module as _module\n" + imports
         exported = (f"_MODULES = ({', '.join(map(repr, modules))}{',' if len(modules) == 1 else ''})\n"
-                    "__all__ = list(dict.fromkeys(  # a name redefined by a later chapter appears once\n"
+                    "__all__ = list(dict.fromkeys(  # one entry per name, in book order\n"
                     "    name for m in _MODULES for name in _module(f'.{m}', __name__).__all__))\n")
     else:
         exported = format_all([]) + "\n"
@@ -188,16 +189,18 @@ def generate(root: Path = ROOT) -> dict[Path, str]:
             if flag is None:
                 continue
             where = f"{notebook}: cell {index} (id {nbtools.cell_id(cell)})"
-            if flag not in ("", "redefine"):
-                raise ToolError(f"{where}: unknown option `#@save {flag}` (only `redefine`)")
+            if flag:
+                raise ToolError(f"{where}: unknown option `#@save {flag}`: a saved cell starts "
+                                "with `#@save` alone (a later chapter extends, never redefines)")
             for piece in cell_pieces(cell.source, where):
                 for name in piece.names:
                     if name.startswith("_"):
                         continue
-                    if name in owners and flag != "redefine":
+                    if name in owners:
                         raise ToolError(
-                            f"{where}: {name!r} is already defined by {owners[name]}; "
-                            "start the cell with `#@save redefine` if the redefinition is deliberate")
+                            f"{where}: {name!r} is already defined by {owners[name]}; a later "
+                            "chapter extends a saved name (a subclass, a hook, a part) and never "
+                            "rebinds it")
                     owners.setdefault(name, notebook)
                 pieces.append(piece)
         if not pieces:

@@ -80,6 +80,9 @@ def traced_update(model, optimizer, batch, advantages, cfg, ref_model=None,
                  loss_expected=-float((rows['adv'] * mask_all).sum() / n_tokens))
     first = dict(entropy=0.0, kl_ref=0.0, mismatch=0.0, mismatch_max=0.0,
                  first_ratio_dev=0.0)
+    trace = dict(rows=rows, old_logp=old_logp, n_tokens=n_tokens, cfg=cfg, pack=pack,
+                 normalize=normalize, old_policy=old_policy, ref_model=ref_model,
+                 first=first)
     for epoch in range(cfg.epochs):
         model.train()
         optimizer.zero_grad()
@@ -88,68 +91,18 @@ def traced_update(model, optimizer, batch, advantages, cfg, ref_model=None,
         else:
             order = torch.arange(len(mask_all))
         chunks = order.split(cfg.micro_batch_size)
-        total, clipped = 0.0, 0.0
-        last = dict(ratio_min=float('inf'), ratio_max=0.0, approx_kl=0.0)
+        step = dict(total=0.0, clipped=0.0, ratio_min=float('inf'), ratio_max=0.0,
+                    approx_kl=0.0)
         for sel in chunks:
-            width = int(rows['length'][sel].max())           # trim padding
-            mask = mask_all[sel, :width - 1]                 # [b, width-1]
-            targets = rows['ids'][sel, 1:width]              # [b, width-1]
-            logits = _update_logits(model, rows, sel, width, pack)[:, :-1]
-            logp = arl.selected_log_probs(logits, targets)   # [b, width-1]
-            if epoch == 0:
-                if old_policy is None:
-                    old_logp[sel, :width - 1] = logp.detach()
-                else:
-                    with torch.no_grad():
-                        old_logits = _update_logits(old_policy, rows, sel, width,
-                                                    pack)[:, :-1]
-                        old_logp[sel, :width - 1] = arl.selected_log_probs(
-                            old_logits, targets)
-            old = old_logp[sel, :width - 1]
-            ratio = torch.exp(logp - old)                    # [b, width-1]
-            adv = rows['adv'][sel, :width - 1]               # [b, width-1]
-            clipped_ratio = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
-            objective = torch.min(ratio * adv, clipped_ratio * adv)
-            if normalize == 'global':
-                loss = -(objective * mask).sum() / n_tokens
-            else:                # the bug: this micro-batch's own token mean
-                loss = -(objective * mask).sum() / mask.sum().clamp(min=1) / len(chunks)
-            loss.backward()
-            total += loss.item()
-            with torch.no_grad():
-                out = (((ratio > 1 + cfg.clip_eps) & (adv > 0))
-                       | ((ratio < 1 - cfg.clip_eps) & (adv < 0)))
-                clipped += (out * mask).sum().item()
-                on = mask.bool()
-                r, log_r = ratio[on], (logp - old)[on]
-                if r.numel():
-                    last['ratio_min'] = min(last['ratio_min'], r.min().item())
-                    last['ratio_max'] = max(last['ratio_max'], r.max().item())
-                    last['approx_kl'] += (r - 1 - log_r).sum().item()
-                if epoch == 0:
-                    ent = arl.token_entropy(logits)          # [b, width-1]
-                    first['entropy'] += (ent * mask).sum().item()
-                    gap = (old - rows['sample_logp'][sel, :width - 1]).abs()[on]
-                    if gap.numel():
-                        first['mismatch'] += gap.sum().item()
-                        first['mismatch_max'] = max(first['mismatch_max'],
-                                                    gap.max().item())
-                        first['first_ratio_dev'] = max(first['first_ratio_dev'],
-                                                       (r - 1).abs().max().item())
-                    if ref_model is not None:
-                        ref = _update_logits(ref_model, rows, sel, width, pack)
-                        ref_logp = arl.selected_log_probs(ref[:, :-1], targets)
-                        # [b, width-1]
-                        k3 = arl.kl_estimate(logp, ref_logp, 'k3')
-                        first['kl_ref'] += (k3 * mask).sum().item()
+            _traced_micro_step(model, sel, len(chunks), epoch, step, trace)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                          cfg.max_grad_norm))
         optimizer.step()
         if epoch == 0:
-            stats.update(loss=total, grad_norm=grad_norm)
-        stats['clip_frac'] = clipped / n_tokens.item()       # of the last step
-        stats.update(ratio_min=last['ratio_min'], ratio_max=last['ratio_max'],
-                     approx_kl=last['approx_kl'] / n_tokens.item())
+            stats.update(loss=step['total'], grad_norm=grad_norm)
+        stats['clip_frac'] = step['clipped'] / n_tokens.item()    # of the last step
+        stats.update(ratio_min=step['ratio_min'], ratio_max=step['ratio_max'],
+                     approx_kl=step['approx_kl'] / n_tokens.item())
     model.eval()
     n = n_tokens.item()
     stats.update(entropy=first['entropy'] / n, mismatch=first['mismatch'] / n,
@@ -158,6 +111,69 @@ def traced_update(model, optimizer, batch, advantages, cfg, ref_model=None,
     if ref_model is not None:
         stats['kl_ref'] = first['kl_ref'] / n
     return stats
+
+
+def _traced_micro_step(model, sel, n_chunks, epoch, step, trace):
+    """Forward and backward of traced_update on the rows `sel` [b], adding to `step`
+    (this epoch's loss, clipped tokens, ratio extremes, approx_kl) and, in the first
+    epoch, to trace['first'] (entropy, mismatch, first ratio, kl_ref)."""
+    rows, old_logp, cfg = trace['rows'], trace['old_logp'], trace['cfg']
+    pack = trace['pack']
+    width = int(rows['length'][sel].max())                   # trim padding
+    mask = rows['action_mask'][sel, :width - 1]              # [b, width-1]
+    targets = rows['ids'][sel, 1:width]                      # [b, width-1]
+    logits = _update_logits(model, rows, sel, width, pack)[:, :-1]
+    logp = arl.selected_log_probs(logits, targets)           # [b, width-1]
+    if epoch == 0:
+        if trace['old_policy'] is None:
+            old_logp[sel, :width - 1] = logp.detach()
+        else:
+            with torch.no_grad():
+                old_logits = _update_logits(trace['old_policy'], rows, sel, width,
+                                            pack)[:, :-1]
+                old_logp[sel, :width - 1] = arl.selected_log_probs(old_logits, targets)
+    old = old_logp[sel, :width - 1]
+    ratio = torch.exp(logp - old)                            # [b, width-1]
+    adv = rows['adv'][sel, :width - 1]                       # [b, width-1]
+    clipped_ratio = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
+    objective = torch.min(ratio * adv, clipped_ratio * adv)
+    if trace['normalize'] == 'global':
+        loss = -(objective * mask).sum() / trace['n_tokens']
+    else:                        # the bug: this micro-batch's own token mean
+        loss = -(objective * mask).sum() / mask.sum().clamp(min=1) / n_chunks
+    loss.backward()
+    step['total'] += loss.item()
+    with torch.no_grad():
+        out = (((ratio > 1 + cfg.clip_eps) & (adv > 0))
+               | ((ratio < 1 - cfg.clip_eps) & (adv < 0)))
+        step['clipped'] += (out * mask).sum().item()
+        on = mask.bool()
+        r, log_r = ratio[on], (logp - old)[on]
+        if r.numel():
+            step['ratio_min'] = min(step['ratio_min'], r.min().item())
+            step['ratio_max'] = max(step['ratio_max'], r.max().item())
+            step['approx_kl'] += (r - 1 - log_r).sum().item()
+        if epoch == 0:
+            _trace_first_epoch(logits, logp, old, r, mask, targets, sel, width, trace)
+
+
+def _trace_first_epoch(logits, logp, old, r, mask, targets, sel, width, trace):
+    """The first epoch's measurements of one micro-batch, added to trace['first']."""
+    first, rows = trace['first'], trace['rows']
+    on = mask.bool()
+    ent = arl.token_entropy(logits)                          # [b, width-1]
+    first['entropy'] += (ent * mask).sum().item()
+    gap = (old - rows['sample_logp'][sel, :width - 1]).abs()[on]
+    if gap.numel():
+        first['mismatch'] += gap.sum().item()
+        first['mismatch_max'] = max(first['mismatch_max'], gap.max().item())
+        first['first_ratio_dev'] = max(first['first_ratio_dev'],
+                                       (r - 1).abs().max().item())
+    if trace['ref_model'] is not None:
+        ref = _update_logits(trace['ref_model'], rows, sel, width, trace['pack'])
+        ref_logp = arl.selected_log_probs(ref[:, :-1], targets)  # [b, width-1]
+        k3 = arl.kl_estimate(logp, ref_logp, 'k3')
+        first['kl_ref'] += (k3 * mask).sum().item()
 
 
 PANELS = ('reward and pass rate', 'outcome shares', 'zero-advantage share',

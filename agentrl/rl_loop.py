@@ -306,7 +306,8 @@ def book_modules(upto):
     (tests/test_book_order.py)."""
     order = arl._MODULES
     if upto not in order:
-        raise ValueError(f'upto must be one of the package modules {order}, got {upto!r}')
+        raise ValueError(f'upto must be one of the package modules {order}, '
+                         f'got {upto!r}')
     return order[:order.index(upto) + 1]
 
 

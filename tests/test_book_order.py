@@ -81,3 +81,17 @@ def test_the_list_of_known_edges_is_current():
 ])
 def test_arl_names(source, names):
     assert arl_names(source) == names
+
+
+def test_readme_module_graph_is_current():
+    import sys
+    sys.path.insert(0, str(REPO / "tools"))
+    import deps
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert deps.block(REPO) in readme, "stale module graph: python tools/deps.py --write"
+    # every arrow points up the list (book order), but the known forward edges
+    order = list(deps.graph(REPO))
+    upward = {(m, u) for m, uses in deps.graph(REPO).items() for u in uses
+              if order.index(u) > order.index(m)}
+    assert upward == {(user[len("agentrl/"):-len(".py")], module_of(ch))
+                      for user, _, ch in KNOWN_FORWARD_EDGES if user.startswith("agentrl/")}

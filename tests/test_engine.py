@@ -87,9 +87,9 @@ def test_one_loop_with_hooks_is_the_old_loop_bit_for_bit(monkeypatch, tiny_agent
     assert all(h['kept'] > 0 for h in new_history if 'kept' in h)
 
 
-def test_the_one_update_reaches_the_optimiser_for_every_rl_trainer(monkeypatch,
-                                                                   tiny_agent):
-    """train_rl and its hooks' updates step the optimiser only through arl.rl_update."""
+def test_train_rl_and_its_update_hook_step_through_the_one_update(monkeypatch, tiny_agent):
+    """train_rl, with no update_fn or with chapter 10's, trains only through arl.rl_update
+    (chapters 8, 13, 15 and 16 still have trainers of their own: README, "One engine")."""
     tasks, tok, base = tiny_agent
     informative_rewards(monkeypatch)
     calls = []

@@ -1,5 +1,6 @@
-"""Every chapter notebook keeps the book's conventions: code that fits the rendered page (88
-columns), the same setup cell (install only when missing, one torch thread), both languages."""
+"""Every chapter notebook keeps the book's conventions: code and printed output that fit the
+rendered page (88 columns), the same setup cell (install only when missing, one torch thread),
+both languages."""
 import json
 import re
 from pathlib import Path
@@ -30,6 +31,31 @@ def test_code_lines_fit_the_page(path):
             for c in code_cells(path)
             for line in "".join(c["source"]).splitlines() if len(line) > MAX_COLUMNS]
     assert not wide, f"{len(wide)} code lines wider than {MAX_COLUMNS} columns:\n" + "\n".join(wide[:20])
+
+
+def printed_lines(cell):
+    """The lines a reader sees printed under a code cell: stream text, and the plain text
+    of a result that has no richer form (a figure shows as an image, not as its repr)."""
+    for out in cell.get("outputs", []):
+        data = out.get("data", {})
+        if out["output_type"] == "stream":
+            text = "".join(out["text"])
+        elif "text/plain" in data and not {"image/png", "text/html"} & set(data):
+            text = "".join(data["text/plain"])
+        else:
+            continue
+        yield from (line.rsplit("\r", 1)[-1] for line in text.split("\n"))
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem == "en"],
+                         ids=lambda p: p.parent.name)
+def test_printed_outputs_fit_the_page(path):
+    """Printed output is read on the same 88-column page as the code (zh.ipynb holds the
+    same outputs: tools/sync.py --check)."""
+    wide = [f"cell {c.get('id')}: {len(line)} columns: {line.strip()[:60]}"
+            for c in code_cells(path) for line in printed_lines(c) if len(line) > MAX_COLUMNS]
+    assert not wide, (f"{len(wide)} printed lines wider than {MAX_COLUMNS} columns:\n"
+                      + "\n".join(wide[:20]))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")

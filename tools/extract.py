@@ -5,9 +5,9 @@
 
 A code cell whose first line is `#@save` contributes its imports, functions, classes and
 UPPER_CASE constants to the module named after its chapter (`chapters/14_scaling` ->
-`agentrl/scaling.py`); every other statement stays notebook-only. A public name is saved once: a later chapter
-extends an earlier one (a subclass, a part passed as an argument) and never rebinds its names,
-so every `arl.<name>` means one thing in every chapter.
+`agentrl/scaling.py`); every other statement stays notebook-only. A public name is saved once:
+a later chapter extends an earlier one (a subclass, a part passed as an argument) and never
+rebinds its names, so every `arl.<name>` means one thing in every chapter.
 """
 from __future__ import annotations
 

@@ -48,132 +48,108 @@ def _update_logits(model, rows, sel, width, pack):
     return model(ids, position_ids=pos)                  # causal across episodes
 
 
+class Trace(arl.UpdateTerm):
+    """A part of chapter 7's rl_update that measures what a dashboard needs and can
+    inject the bugs of chapter 13's gallery, on `rows` from _update_rows.
+
+    It supplies the forward (packed rows: pack='block' or the leaky 'causal'), the old
+    log-probs (old_policy: a model whose log-probs serve as the old ones, e.g. a stale
+    copy), the per-token advantages of the rows, and with normalize='micro' weights
+    that give each micro-batch its own token mean divided by the number of
+    micro-batches. Stats it adds, from the first step: loss_expected (minus the token
+    mean of the advantages: the first loss when the ratio is 1), mismatch and
+    mismatch_max (mean and max |old log-prob - sampler log-prob| on policy tokens),
+    first_ratio_dev (max |ratio - 1|) and, with ref_model, kl_ref (mean k3 estimate of
+    KL(policy || ref_model)).
+    """
+
+    def __init__(self, rows, micro_batch_size, pack=None, normalize='global',
+                 old_policy=None, ref_model=None):
+        self.rows, self.pack, self.normalize = rows, pack, normalize
+        self.old_policy, self.ref_model = old_policy, ref_model
+        self.n_chunks = -(-len(rows['ids']) // micro_batch_size)
+
+    def start(self, batch):
+        self.n_tokens = batch['action_mask'].sum()
+        self.first = dict(mismatch=0.0, mismatch_max=0.0, first_ratio_dev=0.0,
+                          kl_ref=0.0)
+
+    def logits(self, model, ids, sl):
+        if self.pack is None:
+            return None
+        return _update_logits(model, self.rows, sl[0], ids.shape[1], self.pack)
+
+    def old_log_probs(self, ids, sl):
+        self.old = None
+        if self.old_policy is not None:
+            logits = _update_logits(self.old_policy, self.rows, sl[0], ids.shape[1],
+                                    self.pack)
+            self.old = arl.selected_log_probs(logits[:, :-1], ids[:, 1:])
+        return self.old
+
+    def observe(self, ids, logp, mask, sl):
+        old = logp if self.old is None else self.old            # [b, width-1]
+        on, first = mask.bool(), self.first
+        gap = (old - self.rows['sample_logp'][sl]).abs()[on]
+        if gap.numel():
+            first['mismatch'] += gap.sum().item()
+            first['mismatch_max'] = max(first['mismatch_max'], gap.max().item())
+            ratio = torch.exp(logp - old)[on]
+            first['first_ratio_dev'] = max(first['first_ratio_dev'],
+                                           (ratio - 1).abs().max().item())
+        if self.ref_model is not None:
+            ref = _update_logits(self.ref_model, self.rows, sl[0], ids.shape[1],
+                                 self.pack)
+            ref_logp = arl.selected_log_probs(ref[:, :-1], ids[:, 1:])
+            k3 = arl.kl_estimate(logp, ref_logp, 'k3')          # [b, width-1]
+            first['kl_ref'] += (k3 * mask).sum().item()
+
+    def advantages(self, adv, old_logp, sl):
+        return self.rows['adv'][sl]                             # [b, width-1]
+
+    def weights(self, sl):
+        if self.normalize == 'global':
+            return None
+        # the bug: this micro-batch's own token mean, over the number of micro-batches
+        tokens = self.rows['action_mask'][sl].sum().clamp(min=1)
+        return self.n_tokens / (tokens * self.n_chunks)
+
+    def stats(self, n_tokens):
+        n = n_tokens.item()
+        mask = self.rows['action_mask']
+        out = dict(loss_expected=-float((self.rows['adv'] * mask).sum() / n_tokens),
+                   mismatch=self.first['mismatch'] / n,
+                   mismatch_max=self.first['mismatch_max'],
+                   first_ratio_dev=self.first['first_ratio_dev'])
+        if self.ref_model is not None:
+            out['kl_ref'] = self.first['kl_ref'] / n
+        return out
+
+
 def traced_update(model, optimizer, batch, advantages, cfg, ref_model=None,
                   generator=None, pack=None, normalize='global', old_policy=None):
-    """Chapter 7's rl_update with the measurements a dashboard needs -> stats dict.
+    """Chapter 7's rl_update with the part Trace -> rl_update's stats and Trace's.
 
     batch: dict from collate; advantages [B]. With the defaults it trains exactly as
-    arl.rl_loop.rl_update (same parameters bit for bit) and returns its stats
-    (update_tokens, loss, grad_norm, clip_frac) plus, from the first epoch: entropy
-    (mean per-token entropy on policy tokens), kl_ref (mean k3 estimate of
-    KL(policy || ref_model), when ref_model is given), mismatch and mismatch_max (mean
-    and max |old log-prob - sampler log-prob| on policy tokens), first_ratio_dev
-    (max |ratio - 1|), loss_expected (the first-epoch loss when the ratio is 1:
-    minus the token mean of the advantages); and from the last epoch: ratio_min,
-    ratio_max, approx_kl (mean r - 1 - log r, KL(old || new)).
-    Options that inject the bugs of chapter 13's gallery: pack='block' (packed rows,
-    block-diagonal mask) or 'causal' (packed rows, plain causal mask: leaks);
-    normalize='micro' (each micro-batch's own token mean / number of micro-batches);
-    old_policy: a model whose log-probs serve as the old ones (e.g. a stale copy).
+    chapter 7's rl_update (same parameters bit for bit). The options inject the bugs
+    of chapter 13's gallery: pack='block' (packed rows, block-diagonal mask) or
+    'causal' (packed rows, plain causal mask: leaks); normalize='micro' (each
+    micro-batch's own token mean / number of micro-batches); old_policy (a model whose
+    log-probs serve as the old ones). ref_model is only measured (kl_ref): cfg must
+    add no parts of its own (no KL penalty, no entropy bonus).
     """
     if pack not in (None, 'block', 'causal'):
         raise ValueError(f"pack must be None, 'block' or 'causal', got {pack!r}")
     if normalize not in ('global', 'micro'):
         raise ValueError(f"normalize must be 'global' or 'micro', got {normalize!r}")
+    if cfg.update_terms(ref_model):
+        raise ValueError('traced_update measures chapter 7\'s update: cfg must add no '
+                         'update terms (a KL penalty or an entropy bonus)')
     rows = _update_rows(batch, advantages, pack, cfg.max_tokens)
-    mask_all = rows['action_mask']                           # [R, L-1]
-    n_tokens = mask_all.sum()
-    if n_tokens == 0:
-        return dict(update_tokens=0, loss=0.0, grad_norm=0.0, clip_frac=0.0)
-    old_logp = torch.zeros_like(mask_all)                    # [R, L-1]
-    stats = dict(update_tokens=int(n_tokens),
-                 loss_expected=-float((rows['adv'] * mask_all).sum() / n_tokens))
-    first = dict(entropy=0.0, kl_ref=0.0, mismatch=0.0, mismatch_max=0.0,
-                 first_ratio_dev=0.0)
-    trace = dict(rows=rows, old_logp=old_logp, n_tokens=n_tokens, cfg=cfg, pack=pack,
-                 normalize=normalize, old_policy=old_policy, ref_model=ref_model,
-                 first=first)
-    for epoch in range(cfg.epochs):
-        model.train()
-        optimizer.zero_grad()
-        if generator is not None:
-            order = torch.randperm(len(mask_all), generator=generator)
-        else:
-            order = torch.arange(len(mask_all))
-        chunks = order.split(cfg.micro_batch_size)
-        step = dict(total=0.0, clipped=0.0, ratio_min=float('inf'), ratio_max=0.0,
-                    approx_kl=0.0)
-        for sel in chunks:
-            _traced_micro_step(model, sel, len(chunks), epoch, step, trace)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                         cfg.max_grad_norm))
-        optimizer.step()
-        if epoch == 0:
-            stats.update(loss=step['total'], grad_norm=grad_norm)
-        stats['clip_frac'] = step['clipped'] / n_tokens.item()    # of the last step
-        stats.update(ratio_min=step['ratio_min'], ratio_max=step['ratio_max'],
-                     approx_kl=step['approx_kl'] / n_tokens.item())
-    model.eval()
-    n = n_tokens.item()
-    stats.update(entropy=first['entropy'] / n, mismatch=first['mismatch'] / n,
-                 mismatch_max=first['mismatch_max'],
-                 first_ratio_dev=first['first_ratio_dev'])
-    if ref_model is not None:
-        stats['kl_ref'] = first['kl_ref'] / n
-    return stats
-
-
-def _traced_micro_step(model, sel, n_chunks, epoch, step, trace):
-    """Forward and backward of traced_update on the rows `sel` [b], adding to `step`
-    (this epoch's loss, clipped tokens, ratio extremes, approx_kl) and, in the first
-    epoch, to trace['first'] (entropy, mismatch, first ratio, kl_ref)."""
-    rows, old_logp, cfg = trace['rows'], trace['old_logp'], trace['cfg']
-    pack = trace['pack']
-    width = int(rows['length'][sel].max())                   # trim padding
-    mask = rows['action_mask'][sel, :width - 1]              # [b, width-1]
-    targets = rows['ids'][sel, 1:width]                      # [b, width-1]
-    logits = _update_logits(model, rows, sel, width, pack)[:, :-1]
-    logp = arl.selected_log_probs(logits, targets)           # [b, width-1]
-    if epoch == 0:
-        if trace['old_policy'] is None:
-            old_logp[sel, :width - 1] = logp.detach()
-        else:
-            with torch.no_grad():
-                old_logits = _update_logits(trace['old_policy'], rows, sel, width,
-                                            pack)[:, :-1]
-                old_logp[sel, :width - 1] = arl.selected_log_probs(old_logits, targets)
-    old = old_logp[sel, :width - 1]
-    ratio = torch.exp(logp - old)                            # [b, width-1]
-    adv = rows['adv'][sel, :width - 1]                       # [b, width-1]
-    clipped_ratio = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
-    objective = torch.min(ratio * adv, clipped_ratio * adv)
-    if trace['normalize'] == 'global':
-        loss = -(objective * mask).sum() / trace['n_tokens']
-    else:                        # the bug: this micro-batch's own token mean
-        loss = -(objective * mask).sum() / mask.sum().clamp(min=1) / n_chunks
-    loss.backward()
-    step['total'] += loss.item()
-    with torch.no_grad():
-        out = (((ratio > 1 + cfg.clip_eps) & (adv > 0))
-               | ((ratio < 1 - cfg.clip_eps) & (adv < 0)))
-        step['clipped'] += (out * mask).sum().item()
-        on = mask.bool()
-        r, log_r = ratio[on], (logp - old)[on]
-        if r.numel():
-            step['ratio_min'] = min(step['ratio_min'], r.min().item())
-            step['ratio_max'] = max(step['ratio_max'], r.max().item())
-            step['approx_kl'] += (r - 1 - log_r).sum().item()
-        if epoch == 0:
-            _trace_first_epoch(logits, logp, old, r, mask, targets, sel, width, trace)
-
-
-def _trace_first_epoch(logits, logp, old, r, mask, targets, sel, width, trace):
-    """The first epoch's measurements of one micro-batch, added to trace['first']."""
-    first, rows = trace['first'], trace['rows']
-    on = mask.bool()
-    ent = arl.token_entropy(logits)                          # [b, width-1]
-    first['entropy'] += (ent * mask).sum().item()
-    gap = (old - rows['sample_logp'][sel, :width - 1]).abs()[on]
-    if gap.numel():
-        first['mismatch'] += gap.sum().item()
-        first['mismatch_max'] = max(first['mismatch_max'], gap.max().item())
-        first['first_ratio_dev'] = max(first['first_ratio_dev'],
-                                       (r - 1).abs().max().item())
-    if trace['ref_model'] is not None:
-        ref = _update_logits(trace['ref_model'], rows, sel, width, trace['pack'])
-        ref_logp = arl.selected_log_probs(ref[:, :-1], targets)  # [b, width-1]
-        k3 = arl.kl_estimate(logp, ref_logp, 'k3')
-        first['kl_ref'] += (k3 * mask).sum().item()
+    trace = Trace(rows, cfg.micro_batch_size, pack, normalize, old_policy, ref_model)
+    per_row = torch.zeros(len(rows['ids']))          # replaced by Trace's, per token
+    return arl.rl_update(model, optimizer, rows, per_row, cfg, generator=generator,
+                         terms=(trace,))
 
 
 PANELS = ('reward and pass rate', 'outcome shares', 'zero-advantage share',
@@ -432,6 +408,7 @@ def inject_bug(name, cfg):
 
 
 __all__ = [
+    'Trace',
     'traced_update',
     'PANELS',
     'dashboard',

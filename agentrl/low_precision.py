@@ -9,7 +9,7 @@ import copy
 import torch.nn as nn
 import torch.nn.functional as F
 import agentrl as arl
-from tqdm.auto import tqdm
+import functools
 
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # codes 0..7
@@ -458,63 +458,37 @@ def teacher_forced_kl(reference, model, batch, micro_batch_size=64):
     return torch.cat(out)
 
 
+def quantized_sampler(tok, cfg, fmt):
+    """A sample_fn for chapter 7's train_rl: each step samples with
+    quantize_model(model, fmt), made afresh from the current weights (as an RL system
+    pushes new weights to its inference engine)."""
+    env_fn = lambda: arl.make_env(cfg)
+
+    def sample(model, tasks, step, generator):
+        sampler = quantize_model(model, fmt)
+        return (*arl.sample_step(sampler, env_fn, tasks, tok, cfg, generator), {})
+
+    return sample
+
+
 def train_rl_quantized_rollout(model, tasks, tok, cfg, steps, rollout_fmt='mxfp4',
                                tis_cap=None, eval_tasks=None, eval_every=10,
                                eval_n=8, progress=True):
-    """RL in which quantize_model(model, rollout_fmt) samples every step and the
-    float32 `model` trains on its episodes, in place -> history.
+    """Chapter 7's train_rl in which quantize_model(model, rollout_fmt) samples every
+    step (quantized_sampler) and the float32 `model` trains on its episodes, in place,
+    through rl_update with chapter 8's part RecomputedOldLogProbs(model, tis_cap)
+    -> train_rl's history.
 
-    history: train_rl's records, plus per step the mismatch on the kept batch
+    The update's stats in each record include the mismatch on the kept batch
     (mismatch_abs_log: mean |log rho|; mismatch_share: share of policy tokens with
-    |rho - 1| > 0.2, rho = pi_trainer / mu_sampler). The update is chapter 8's
-    ppo_update (cfg.epochs steps, clip cfg.clip_eps); tis_cap: truncated IS cap.
-    Held-out evaluations (eval_tasks) use the float32 model.
+    |rho - 1| > 0.2, rho = pi_trainer / mu_sampler). Held-out evaluations (eval_tasks)
+    use the float32 model.
     """
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f'steps must be an int >= 1, got {steps!r}')
-    if tis_cap is not None and not tis_cap > 0:
-        raise ValueError(f'tis_cap must be None or > 0, got {tis_cap!r}')
-    torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    if cfg.lr_schedule == 'linear':
-        decay = lambda s: 1 - s / steps
-    else:
-        decay = lambda s: 1.0
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
-    env_fn = lambda: arl.make_env(cfg)
-
-    def evaluate(step):
-        return arl.evaluate(model, eval_tasks, tok, eval_n,
-                            generator=torch.Generator().manual_seed(step), cfg=cfg)
-
-    history = []
-    for step in tqdm(range(steps), desc=f'{rollout_fmt} rollout',
-                     disable=not progress):
-        record = dict(step=step, lr=optimizer.param_groups[0]['lr'])
-        if eval_tasks is not None and step % eval_every == 0:
-            record['heldout'] = evaluate(step)
-        sampler = quantize_model(model, rollout_fmt)       # fresh weights each step
-        kept, sampled = arl.sample_step(sampler, env_fn, tasks, tok, cfg, gen)
-        record.update(arl.behavior_stats(sampled), kept=len(kept),
-                      sampled=len(sampled))
-        if kept:
-            batch = arl.collate(kept, tok.pad_id)
-            on = batch['action_mask'].bool()
-            log_rho = (arl.batch_log_probs(model, batch, cfg.micro_batch_size)
-                       - batch['sample_logp'])[on]                         # [N]
-            record.update(mismatch_abs_log=log_rho.abs().mean().item(),
-                          mismatch_share=((log_rho.exp() - 1).abs() > 0.2)
-                          .float().mean().item())
-            advantages = arl.compute_advantages(batch, cfg)
-            epochs = arl.ppo_update(model, optimizer, batch, advantages, cfg,
-                                    cfg.epochs, cfg.clip_eps, tis_cap, gen)
-            record.update(loss=epochs[0]['loss'], grad_norm=epochs[0]['grad_norm'])
-        schedule.step()
-        history.append(record)
-    if eval_tasks is not None:
-        history.append(dict(step=steps, heldout=evaluate(steps)))
-    return history
+    part = arl.RecomputedOldLogProbs(model, tis_cap, cfg.micro_batch_size)
+    return arl.train_rl(model, tasks, tok, cfg, steps, eval_tasks, eval_every, eval_n,
+                        progress=progress,
+                        sample_fn=quantized_sampler(tok, cfg, rollout_fmt),
+                        update_fn=functools.partial(arl.rl_update, terms=(part,)))
 
 
 __all__ = [
@@ -547,5 +521,6 @@ __all__ = [
     'quantize_model',
     'linear_weight_bytes',
     'teacher_forced_kl',
+    'quantized_sampler',
     'train_rl_quantized_rollout',
 ]

@@ -34,7 +34,7 @@ class RLConfig(arl.SamplingConfig):
         super().__post_init__()
         arl.check_int('seed', self.seed, 0)
         arl.check_real('lr', self.lr, 0)
-        arl.check_real('clip_eps', self.clip_eps, 0)
+        arl.check_real('clip_eps', self.clip_eps, 0, finite=False)  # inf: no clip
         arl.check_real('max_grad_norm', self.max_grad_norm, 0, strict=True,
                        finite=False)               # inf: no clipping
         arl.check_int('epochs', self.epochs, 1)
@@ -81,17 +81,31 @@ def token_entropy(logits):
 class UpdateTerm:
     """A part that a later chapter adds to rl_update; this base class changes nothing.
 
-    cfg.update_terms(ref_model) lists a run's parts (chapter 9: a KL penalty and an
-    entropy bonus). rl_update calls start(batch) once; then, for each micro-batch, with
+    A run's parts are cfg.update_terms(ref_model) (chapter 9: a KL penalty and an
+    entropy bonus) followed by rl_update's `terms` (chapter 8: old log-probs recomputed
+    before the first step and truncated IS weights; chapter 13: probes and bugs).
+    rl_update calls start(batch) once; then, for each micro-batch, with
     sl = (rows, slice(0, width - 1)) indexing the batch's [B, T-1] tensors:
-    observe(ids, logp, mask, sl) in the first epoch, without gradient; advantages(adv,
-    old_logp, sl) -> the advantages of the surrogate ([b, 1] or [b, width-1]); and
-    loss(logits, logp, mask, sl, n_tokens) -> a scalar added to the loss, or None.
-    stats(n_tokens) -> dict joins the update's stats after the first epoch.
+    logits(model, ids, sl) -> [b, width, V], or None for model(ids);
+    old_log_probs(ids, sl) -> [b, width-1], or None, in the first epoch (without
+    gradient): the log-probs the ratio is taken against (default: the first epoch's
+    own, so its ratio is exactly 1); observe(ids, logp, mask, sl) in the first epoch,
+    without gradient; advantages(adv, old_logp, sl) -> the advantages of the
+    surrogate ([b, 1] or [b, width-1]); weights(sl) -> per-token factors of the
+    surrogate [b, width-1], or None; loss(logits, logp, mask, sl, n_tokens) -> a
+    scalar added to the loss, or None. After each optimiser step,
+    epoch_end(epoch, stats) sees that step's stats; stats(n_tokens) -> dict joins the
+    update's stats after the first step.
     """
 
     def start(self, batch):
         pass
+
+    def logits(self, model, ids, sl):
+        return None
+
+    def old_log_probs(self, ids, sl):
+        return None
 
     def observe(self, ids, logp, mask, sl):
         pass
@@ -99,14 +113,21 @@ class UpdateTerm:
     def advantages(self, adv, old_logp, sl):
         return adv
 
+    def weights(self, sl):
+        return None
+
     def loss(self, logits, logp, mask, sl, n_tokens):
         return None
+
+    def epoch_end(self, epoch, stats):
+        pass
 
     def stats(self, n_tokens):
         return {}
 
 
-def rl_update(model, optimizer, batch, advantages, cfg, ref_model=None, generator=None):
+def rl_update(model, optimizer, batch, advantages, cfg, ref_model=None, generator=None,
+              terms=()):
     """cfg.epochs optimiser steps on one batch (dict from collate: ids [B, T],
     action_mask [B, T-1], length [B]; advantages [B]) -> stats dict.
 
@@ -114,21 +135,22 @@ def rl_update(model, optimizer, batch, advantages, cfg, ref_model=None, generato
     number of policy tokens, so the accumulated gradient equals the full-batch
     token-mean gradient. The first step is REINFORCE; later steps weigh each token by
     the ratio pi / pi_old, clipped to 1 +- cfg.clip_eps (PPO). Gradients are clipped to
-    cfg.max_grad_norm. The parts cfg.update_terms(ref_model) returns (UpdateTerm) add
-    to the advantages, the loss and the stats; chapter 7's RLConfig has none.
+    cfg.max_grad_norm. The parts cfg.update_terms(ref_model) returns, then `terms`
+    (UpdateTerm), add to the forward, the old log-probs, the advantages, the loss and
+    the stats; chapter 7's RLConfig has none.
     Stats: update_tokens (policy tokens in the batch); loss, grad_norm and entropy
     (mean exact entropy of pi per policy token) of the first step; clip_frac (share of
-    tokens clipped) and ratio_min / ratio_max (of pi / pi_old over the policy tokens;
-    1.0 with one epoch) of the last step. A batch with no policy tokens (collate([])
-    when every group had equal rewards) trains nothing: no optimiser step, and the stats
-    say so (update_tokens 0).
+    tokens clipped), ratio_min / ratio_max (of pi / pi_old over the policy tokens) and
+    approx_kl (mean of r - 1 - log r, an estimate of KL(pi_old || pi)) of the last
+    step. A batch with no policy tokens (collate([]) when every group had equal
+    rewards) trains nothing: no optimiser step, and the stats say so (update_tokens 0).
     """
-    terms = cfg.update_terms(ref_model)
+    terms = (*cfg.update_terms(ref_model), *terms)
     mask_all = batch['action_mask']                          # [B, T-1]
     n_tokens = mask_all.sum()
     if n_tokens == 0:
         return dict(update_tokens=0, loss=0.0, grad_norm=0.0, clip_frac=0.0,
-                    ratio_min=1.0, ratio_max=1.0)
+                    ratio_min=1.0, ratio_max=1.0, approx_kl=0.0)
     for term in terms:
         term.start(batch)
     old_logp = torch.zeros_like(mask_all)     # [B, T-1], filled by the first step
@@ -141,38 +163,54 @@ def rl_update(model, optimizer, batch, advantages, cfg, ref_model=None, generato
             order = torch.randperm(len(mask_all), generator=generator)
         else:
             order = torch.arange(len(mask_all))
-        step = dict(loss=0.0, clipped=0.0, entropy=0.0, r_min=float('inf'), r_max=0.0)
+        step = dict(loss=0.0, clipped=0.0, entropy=0.0, r_min=float('inf'), r_max=0.0,
+                    approx_kl=0.0)
         for rows in order.split(cfg.micro_batch_size):
             _micro_step(model, batch, rows, advantages, old_logp, n_tokens, cfg,
                         terms, epoch, step)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                          cfg.max_grad_norm))
         optimizer.step()
+        n = n_tokens.item()
+        last = dict(loss=step['loss'], grad_norm=grad_norm,
+                    clip_frac=step['clipped'] / n, ratio_min=step['r_min'],
+                    ratio_max=step['r_max'], approx_kl=step['approx_kl'] / n)
+        for term in terms:
+            term.epoch_end(epoch, last)
         if epoch == 0:
-            stats.update(loss=step['loss'], grad_norm=grad_norm,
-                         entropy=step['entropy'] / n_tokens.item())
+            stats.update(loss=last['loss'], grad_norm=grad_norm,
+                         entropy=step['entropy'] / n)
             for term in terms:
                 stats.update(term.stats(n_tokens))
-        stats['clip_frac'] = step['clipped'] / n_tokens.item()   # of the last step
-        if cfg.epochs == 1:
-            step.update(r_min=1.0, r_max=1.0)
-        stats.update(ratio_min=step['r_min'], ratio_max=step['r_max'])
+        stats.update((k, last[k]) for k in ('clip_frac', 'ratio_min', 'ratio_max',
+                                            'approx_kl'))
     model.eval()
     return stats
+
+
+def _part(terms, hook, *args):
+    """The first answer other than None of the parts' `hook`, or None."""
+    for term in terms:
+        out = getattr(term, hook)(*args)
+        if out is not None:
+            return out
+    return None
 
 
 def _micro_step(model, batch, rows, advantages, old_logp, n_tokens, cfg, terms, epoch,
                 step):
     """Forward and backward of one micro-batch (rows [b]) of rl_update, adding its
-    loss, clipped tokens, entropy and ratio extremes to the dict `step`."""
+    loss, clipped tokens, entropy, ratio extremes and approx_kl to the dict `step`."""
     width = int(batch['length'][rows].max())                 # trim padding
     ids, mask = batch['ids'][rows, :width], batch['action_mask'][rows, :width - 1]
     sl = (rows, slice(0, width - 1))
-    logits = model(ids)                                      # [b, width, V]
+    logits = _part(terms, 'logits', model, ids, sl)
+    logits = model(ids) if logits is None else logits        # [b, width, V]
     logp = arl.selected_log_probs(logits[:, :-1], ids[:, 1:])    # [b, width-1]
     if epoch == 0:
-        old_logp[sl] = logp.detach()
         with torch.no_grad():
+            given = _part(terms, 'old_log_probs', ids, sl)
+            old_logp[sl] = logp.detach() if given is None else given
             step['entropy'] += (token_entropy(logits[:, :-1]) * mask).sum().item()
             for term in terms:
                 term.observe(ids, logp, mask, sl)
@@ -182,6 +220,9 @@ def _micro_step(model, batch, rows, advantages, old_logp, n_tokens, cfg, terms, 
         adv = term.advantages(adv, old_logp, sl)
     clipped_ratio = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
     objective = torch.min(ratio * adv, clipped_ratio * adv)
+    for term in terms:
+        weights = term.weights(sl)
+        objective = objective if weights is None else objective * weights
     loss = -(objective * mask).sum() / n_tokens
     for term in terms:
         extra = term.loss(logits, logp, mask, sl, n_tokens)
@@ -193,10 +234,12 @@ def _micro_step(model, batch, rows, advantages, old_logp, n_tokens, cfg, terms, 
         out = (((ratio > 1 + cfg.clip_eps) & (adv > 0))
                | ((ratio < 1 - cfg.clip_eps) & (adv < 0)))
         step['clipped'] += (out * mask).sum().item()
-        on = ratio[mask.bool()]
-        if on.numel():
-            step['r_min'] = min(step['r_min'], on.min().item())
-            step['r_max'] = max(step['r_max'], on.max().item())
+        on = mask.bool()
+        r, log_r = ratio[on], (logp - old_logp[sl])[on]
+        if r.numel():
+            step['r_min'] = min(step['r_min'], r.min().item())
+            step['r_max'] = max(step['r_max'], r.max().item())
+            step['approx_kl'] += (r - 1 - log_r).sum().item()
 
 
 OUTCOMES = ('correct', 'wrong', 'turn_limit', 'token_limit')
@@ -233,62 +276,73 @@ def informative_groups(trajs):
 
 
 def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval_n=8,
-             ref_model=None, progress=True, transform=None, update_fn=None):
+             ref_model=None, progress=True, transform=None, update_fn=None,
+             sample_fn=None):
     """The RL loop, training `model` in place: sample, drop zero-advantage groups,
     rl_update -> history.
 
-    history: one dict per step (behaviour of the sampled batch, kept/sampled counts,
-    update stats, lr), plus 'heldout' (arl.evaluate on eval_tasks with eval_n episodes
-    each) every eval_every steps and after the last. progress=False hides the progress
-    bar. Two hooks for later chapters, both None here:
+    history: one dict per step (episodes sampled before it, lr, behaviour of the
+    sampled batch, kept/sampled counts, update stats), plus 'heldout' (arl.evaluate on
+    eval_tasks with eval_n episodes each, before the step trains) every eval_every
+    steps, and dict(step=steps, episodes, heldout) after the last. progress=False hides
+    the progress bar. Three hooks for later chapters, all None here:
+    sample_fn(model, tasks, step, generator) -> (kept, sampled, extra) samples a step's
+    episodes instead of sample_step, e.g. from the tasks a curriculum picks (chapter
+    14) or with a quantised copy of the model (chapter 16); the dict extra joins the
+    step's record.
     transform(sampled, step) -> list of Trajectory is applied to each step's sampled
     episodes before the groups with equal rewards are dropped; it may rescore rewards
     (chapter 10), change action masks or drop episodes (chapter 11), but must keep each
     group's episodes consecutive and not draw from the training generator. The
     behaviour recorded is then that of the transformed episodes ('reward' the rescored
     one; the outcome shares stay the environment's).
-    update_fn: called instead of arl.rl_update, with its arguments, e.g. to trace the
-    update or inject a bug (chapter 13).
+    update_fn: called instead of arl.rl_update, with its arguments, e.g. with parts of
+    its own (chapters 13 and 16) or another normalisation (chapter 10).
     """
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f'steps must be an int >= 1, got {steps!r}')
-    for name, hook in (('transform', transform), ('update_fn', update_fn)):
+    for name, value in (('steps', steps), ('eval_every', eval_every)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f'{name} must be an int >= 1, got {value!r}')
+    for name, hook in (('transform', transform), ('update_fn', update_fn),
+                       ('sample_fn', sample_fn)):
         if hook is not None and not callable(hook):
             raise TypeError(f'{name} must be callable or None, got {type(hook)}')
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    if cfg.lr_schedule == 'linear':
-        decay = lambda s: 1 - s / steps
-    else:
-        decay = lambda s: 1.0
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
     env_fn = lambda: arl.make_env(cfg)
+    if sample_fn is None:
+        sample_fn = lambda model, tasks, step, generator: (
+            *sample_step(model, env_fn, tasks, tok, cfg, generator), {})
     update = arl.rl_update if update_fn is None else update_fn
 
     def evaluate(step):
         return arl.evaluate(model, eval_tasks, tok, eval_n,
                             generator=torch.Generator().manual_seed(step), cfg=cfg)
 
-    history = []
+    history, episodes = [], 0
     for step in tqdm(range(steps), desc=f'RL seed {cfg.seed}', disable=not progress):
-        record = dict(step=step, lr=optimizer.param_groups[0]['lr'])
+        # the schedule, set by hand: a step that keeps no group takes no optimiser step
+        lr = cfg.lr * (1 - step / steps) if cfg.lr_schedule == 'linear' else cfg.lr
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+        record = dict(step=step, episodes=episodes, lr=lr)
         if eval_tasks is not None and step % eval_every == 0:
             record['heldout'] = evaluate(step)
-        kept, sampled = sample_step(model, env_fn, tasks, tok, cfg, gen)
+        kept, sampled, extra = sample_fn(model, tasks, step, gen)
+        episodes += len(sampled)
         if transform is not None:
             sampled = transform(sampled, step)
             kept = informative_groups(sampled)
-        record.update(behavior_stats(sampled), kept=len(kept), sampled=len(sampled))
+        record.update(extra, **behavior_stats(sampled), kept=len(kept),
+                      sampled=len(sampled))
         if kept:
             batch = arl.collate(kept, tok.pad_id)
             advantages = arl.compute_advantages(batch, cfg)
             record.update(update(model, optimizer, batch, advantages, cfg,
                                  ref_model, gen))
-        schedule.step()
         history.append(record)
     if eval_tasks is not None:
-        history.append(dict(step=steps, heldout=evaluate(steps)))
+        history.append(dict(step=steps, episodes=episodes, heldout=evaluate(steps)))
     return history
 
 
@@ -390,6 +444,47 @@ def train_rl_cached(base, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10
         model, tasks, tok, cfg, steps, eval_tasks, eval_every, eval_n, progress=False))
 
 
+def seed_paired(a, b, level=0.95, n_boot=2000, seed=0):
+    """b - a, paired by seed and by task -> dict(diff, interval, per_seed).
+
+    a, b: lists of evaluations (arl.evaluate) of the same tasks, one per seed, a[i]
+    and b[i] from the same seed (a may repeat one evaluation, e.g. the base). diff:
+    the mean over seeds and tasks of b - a; interval: a `level` percentile bootstrap
+    in which each sample draws seeds with replacement and tasks with replacement
+    within family (Agarwal et al., 2021), so it covers the randomness of training as
+    well as that of the tasks and episodes; per_seed: each seed's mean difference.
+    """
+    if not isinstance(a, (list, tuple)) or not isinstance(b, (list, tuple)) or not a:
+        raise ValueError('a and b must be non-empty lists of evaluations')
+    if len(a) != len(b):
+        raise ValueError(f'a has {len(a)} seeds, b has {len(b)}: pair them by seed')
+    if not 0 < level < 1:
+        raise ValueError(f'level must be in (0, 1), got {level}')
+    if not isinstance(n_boot, int) or n_boot < 1:
+        raise ValueError(f'n_boot must be an int >= 1, got {n_boot!r}')
+    names = list(a[0]['per_task'])
+    for i, ev in enumerate([*a, *b]):
+        if set(ev['per_task']) != set(names):
+            raise ValueError(f'evaluation {i} of a + b evaluates other tasks')
+    diffs = torch.tensor([[y['per_task'][t] - x['per_task'][t] for t in names]
+                          for x, y in zip(a, b)], dtype=torch.float64)  # [seeds, tasks]
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.zeros(n_boot, len(names), dtype=torch.float64)  # [n_boot, tasks]
+    families = [a[0]['family_of'][t] for t in names]
+    for f in dict.fromkeys(families):            # tasks resampled within family
+        idx = torch.tensor([i for i, g in enumerate(families) if g == f])
+        draw = idx[torch.randint(len(idx), (n_boot, len(idx)), generator=gen)]
+        weights.scatter_add_(1, draw, torch.ones(draw.shape, dtype=torch.float64))
+    per_seed = weights @ diffs.T / len(names)                # [n_boot, seeds]
+    pick = torch.randint(len(a), (n_boot, len(a)), generator=gen)
+    means = per_seed.gather(1, pick).mean(1)                 # [n_boot]
+    tail = (1 - level) / 2
+    low, high = torch.quantile(means, torch.tensor([tail, 1 - tail],
+                                                   dtype=means.dtype))
+    return dict(diff=diffs.mean().item(), interval=(low.item(), high.item()),
+                per_seed=diffs.mean(1).tolist())
+
+
 __all__ = [
     'RLConfig',
     'sample_step',
@@ -407,4 +502,5 @@ __all__ = [
     'tasks_hash',
     'cached_training',
     'train_rl_cached',
+    'seed_paired',
 ]

@@ -7,7 +7,6 @@ from torch.utils.checkpoint import checkpoint
 import agentrl as arl
 import contextlib
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 
 def pack_sequences(trajs, max_tokens, pad_id=0):
@@ -171,73 +170,49 @@ def filter_by_pass_rate(tasks, pass_rates, low=0.0, high=1.0):
     return [task for task, p in zip(tasks, pass_rates) if low < p < high]
 
 
-def train_curriculum(model, tasks, tok, cfg, steps, low=0.0, high=1.0, revisit=1,
-                     eval_tasks=None, eval_every=10, eval_n=8, progress=True):
-    """RL (Chapter 7's loop) that samples only tasks whose estimated pass rate is in
-    (low, high), plus `revisit` random excluded tasks per step -> history (a dict per
-    step).
+def curriculum_sampler(tok, cfg, low=0.0, high=1.0, revisit=1):
+    """A sample_fn for chapter 7's train_rl: each step samples only the tasks whose
+    estimated pass rate lies in (low, high), plus `revisit` random excluded tasks.
 
     Every task starts at an estimate of 0.5 (unknown, so in the pool); each sampled
-    group replaces its task's estimate with the group's pass rate. The learning rate
-    follows cfg.lr_schedule, as in train_rl. history: pool, n_episodes, episodes
-    (sampled before this step), zero_adv_frac (share of groups with equal rewards),
-    kept, lr, behaviour stats and update stats. With eval_tasks, a record also holds
-    'heldout' (arl.evaluate on eval_tasks, eval_n episodes each, generator seeded by
-    the step, as in train_rl) every eval_every steps, measured before the step
-    trains, and a last record dict(step=steps, episodes, heldout) follows the last
-    step. progress=False hides the progress bar.
+    group replaces its task's estimate with the group's pass rate. Each step's record
+    gains pool (tasks in the pool before the step) and zero_adv_frac (share of the
+    sampled groups with equal rewards).
     """
-    for name, value, least in (('steps', steps, 1), ('revisit', revisit, 0),
-                               ('eval_every', eval_every, 1)):
-        if not isinstance(value, int) or value < least:
-            raise ValueError(f'{name} must be an int >= {least}, got {value!r}')
-    torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    # train_rl's schedule, set by hand (a step that keeps no group makes no
-    # optimiser step, and a scheduler would warn)
-    linear = cfg.lr_schedule == 'linear'
+    if not isinstance(revisit, int) or revisit < 0:
+        raise ValueError(f'revisit must be an int >= 0, got {revisit!r}')
+    estimate, G = {}, cfg.group_size
     env_fn = lambda: arl.make_env(cfg)
 
-    def evaluate(step):
-        return arl.evaluate(model, eval_tasks, tok, eval_n,
-                            generator=torch.Generator().manual_seed(step), cfg=cfg)
-
-    estimate = {task.name: 0.5 for task in tasks}
-    G, history, episodes = cfg.group_size, [], 0
-    bar = tqdm(range(steps), desc='curriculum', leave=False, disable=not progress)
-    for step in bar:
-        lr = cfg.lr * (1 - step / steps) if linear else cfg.lr
-        for group in optimizer.param_groups:
-            group['lr'] = lr
-        record = dict(step=step, episodes=episodes, lr=lr)
-        if eval_tasks is not None and step % eval_every == 0:
-            record['heldout'] = evaluate(step)
-        pool = filter_by_pass_rate(tasks, [estimate[t.name] for t in tasks], low, high)
+    def sample(model, tasks, step, generator):
+        rates = [estimate.setdefault(task.name, 0.5) for task in tasks]
+        pool = filter_by_pass_rate(tasks, rates, low, high)
         names = {t.name for t in pool}
         excluded = [t for t in tasks if t.name not in names]
-        pick = torch.randperm(len(excluded), generator=gen)[:revisit].tolist()
+        pick = torch.randperm(len(excluded), generator=generator)[:revisit].tolist()
         candidates = pool + [excluded[i] for i in pick]
-        kept, sampled = (arl.sample_step(model, env_fn, candidates, tok, cfg, gen)
+        kept, sampled = (arl.sample_step(model, env_fn, candidates, tok, cfg, generator)
                          if candidates else ([], []))
         flat = 0
         for g in range(0, len(sampled), G):
             rewards = [t.reward for t in sampled[g:g + G]]
             estimate[sampled[g].info['task']] = sum(rewards) / len(rewards)
             flat += len(set(rewards)) == 1
-        record.update(pool=len(pool), n_episodes=len(sampled), kept=len(kept),
-                      zero_adv_frac=flat / max(len(sampled) // G, 1),
-                      **arl.behavior_stats(sampled))
-        if kept:
-            batch = arl.collate(kept, tok.pad_id)
-            advantages = arl.compute_advantages(batch, cfg)
-            stats = arl.rl_update(model, optimizer, batch, advantages, cfg, None, gen)
-            record.update(stats)
-        episodes += len(sampled)
-        history.append(record)
-    if eval_tasks is not None:
-        history.append(dict(step=steps, episodes=episodes, heldout=evaluate(steps)))
-    return history
+        return kept, sampled, dict(pool=len(pool),
+                                   zero_adv_frac=flat / max(len(sampled) // G, 1))
+
+    return sample
+
+
+def train_curriculum(model, tasks, tok, cfg, steps, low=0.0, high=1.0, revisit=1,
+                     eval_tasks=None, eval_every=10, eval_n=8, progress=True):
+    """Chapter 7's train_rl, sampling through curriculum_sampler(tok, cfg, low, high,
+    revisit) -> train_rl's history (a dict per step, with pool and zero_adv_frac; the
+    key 'episodes' counts the episodes sampled before the step, and before each
+    held-out evaluation)."""
+    sample_fn = curriculum_sampler(tok, cfg, low, high, revisit)
+    return arl.train_rl(model, tasks, tok, cfg, steps, eval_tasks, eval_every, eval_n,
+                        progress=progress, sample_fn=sample_fn)
 
 
 __all__ = [
@@ -247,5 +222,6 @@ __all__ = [
     'checkpointed_log_probs',
     'data_parallel_worker',
     'filter_by_pass_rate',
+    'curriculum_sampler',
     'train_curriculum',
 ]

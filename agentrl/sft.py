@@ -7,6 +7,7 @@ import torch
 from tqdm.auto import tqdm
 import math
 import dataclasses
+from statistics import NormalDist
 import ast
 import functools
 import hashlib
@@ -264,6 +265,28 @@ def evaluate(model, tasks, tok, n, generator=None, cfg=None, greedy=True, level=
     return result
 
 
+def wilson_interval(successes, n, level=0.95):
+    """Wilson (1927) score interval of a binomial proportion -> (low, high).
+
+    successes out of n independent trials with one success probability. Episodes
+    that share tasks are not that: use the interval over tasks of arl.evaluate
+    instead, unless every task has a single episode (chapters 5 and 12).
+    """
+    for arg, v in (('successes', successes), ('n', n)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f'{arg} must be an int, got {type(v).__name__}')
+    if not 0 <= successes <= n or n < 1:
+        raise ValueError(f'need 0 <= successes <= n and n >= 1, got successes='
+                         f'{successes}, n={n}')
+    if not 0 < level < 1:
+        raise ValueError(f'level must be in (0, 1), got {level}')
+    z = NormalDist().inv_cdf(0.5 + level / 2)
+    p, z2 = successes / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def compare_evaluations(before, after, level=0.95, n_boot=2000, seed=0):
     """Paired comparison of two evaluations of the same tasks -> dict.
 
@@ -399,6 +422,7 @@ __all__ = [
     'bootstrap_interval',
     'GREEDY_TEMPERATURE',
     'evaluate',
+    'wilson_interval',
     'compare_evaluations',
     'cache_dir',
     'recipe_hash',

@@ -20,8 +20,6 @@ KNOWN_FORWARD_EDGES = {
     ("agentrl/diagnostics.py", "packed_logits", "14_scaling"),
     ("13_diagnostics/en.ipynb", "pack_sequences", "14_scaling"),     # the saved cell
     ("13_diagnostics/en.ipynb", "packed_logits", "14_scaling"),
-    ("09_kl/en.ipynb", "compare_runs", "12_evaluation"),
-    ("11_multi_turn/en.ipynb", "wilson_interval", "12_evaluation"),
 }
 
 

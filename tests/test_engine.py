@@ -8,6 +8,8 @@ import torch
 
 import agentrl as arl
 from frozen.engine_v1 import rl_update_v1, train_rl_v1
+from frozen.trainers_v1 import (ppo_update_v1, train_curriculum_v1,
+                                 train_rl_quantized_rollout_v1)
 from helpers import informative_rewards
 
 SMALL = dict(seed=3, tasks_per_step=4, group_size=4, max_turns=3)
@@ -56,7 +58,9 @@ def test_one_update_with_parts_is_the_old_update_bit_for_bit(tiny_agent, name):
         out[update] = model, stats
     (old, old_stats), (new, new_stats) = out.values()
     assert _same_weights(old, new)
-    assert list(new_stats.items()) == list(old_stats.items())    # values and key order
+    # values and key order; the one update also reports approx_kl
+    assert list(new_stats.items()) == [(k, v) for k, v in old_stats.items()] + [
+        ('approx_kl', new_stats['approx_kl'])]
     assert not _same_weights(new, base)
 
 
@@ -83,28 +87,74 @@ def test_one_loop_with_hooks_is_the_old_loop_bit_for_bit(monkeypatch, tiny_agent
         runs.append((model, history))
     (old, old_history), (new, new_history) = runs
     assert _same_weights(old, new)
-    assert new_history == old_history
+    # the one loop also records the episodes sampled before each step, and the one
+    # update its approx_kl
+    new_keys = ('episodes', 'approx_kl')
+    strip = lambda history: [{k: v for k, v in r.items() if k not in new_keys}
+                             for r in history]
+    assert strip(new_history) == strip(old_history)
+    per_step = cfg.tasks_per_step * cfg.group_size        # before any transform
+    assert [r['episodes'] for r in new_history] == [per_step * r['step']
+                                                    for r in new_history]
     assert all(h['kept'] > 0 for h in new_history if 'kept' in h)
 
 
-def test_train_rl_and_its_update_hook_step_through_the_one_update(monkeypatch, tiny_agent):
-    """train_rl, with no update_fn or with chapter 10's, trains only through arl.rl_update
-    (chapters 8, 13, 15 and 16 still have trainers of their own: README, "One engine")."""
+def _trainers(tasks, tok, base, cfg):
+    """Every RL trainer of the package, each a call that trains a copy of `base`."""
+    batch, adv = None, None
+
+    def ppo(model):
+        nonlocal batch, adv
+        trajs = arl.sample_groups(model, lambda: arl.make_env(cfg), tasks[:4], tok, cfg,
+                                  torch.Generator().manual_seed(0))
+        batch = arl.collate(trajs, tok.pad_id)
+        adv = arl.compute_advantages(batch, cfg)
+        opt = torch.optim.Adam(model.parameters())
+        arl.ppo_update(model, opt, batch, adv, cfg, epochs=2, tis_cap=2.0)
+        arl.traced_update(model, opt, batch, adv, cfg, pack='block')
+
+    kw = dict(progress=False)
+    return {
+        'train_rl': lambda m: arl.train_rl(m, tasks, tok, cfg, 2, **kw),
+        'train_rl + seq_mean_update': lambda m: arl.train_rl(
+            m, tasks, tok, cfg, 2, update_fn=arl.seq_mean_update, **kw),
+        'train_rl + traced_update': lambda m: arl.train_rl(
+            m, tasks, tok, cfg, 2, update_fn=arl.traced_update, **kw),
+        'train_curriculum': lambda m: arl.train_curriculum(m, tasks, tok, cfg, 2,
+                                                           0.0, 1.0, **kw),
+        'train_rl_quantized_rollout': lambda m: arl.train_rl_quantized_rollout(
+            m, tasks, tok, cfg, 2, 'mxfp4', 2.0, **kw),
+        'ppo_update, traced_update': ppo,
+    }
+
+
+def test_every_rl_trainer_steps_the_optimiser_only_inside_the_one_update(monkeypatch,
+                                                                         tiny_agent):
+    """Chapters 7, 8, 10, 13, 14 and 16 train through arl.rl_update: every optimiser
+    step of their trainers happens inside it (chapter 15's train_opd has its own step:
+    README, "One engine")."""
     tasks, tok, base = tiny_agent
     informative_rewards(monkeypatch)
-    calls = []
-    real = arl.rl_update
+    inside, steps = [0], []
+    real_update, real_step = arl.rl_update, torch.optim.Adam.step
 
-    def counting(*args, **kw):
-        calls.append(args[4])
-        return real(*args, **kw)
+    def counting_update(*args, **kw):
+        inside[0] += 1
+        try:
+            return real_update(*args, **kw)
+        finally:
+            inside[0] -= 1
 
-    monkeypatch.setattr(arl, 'rl_update', counting)
-    cfg = CONFIGS['k1 reward']
-    for update_fn in (None, arl.seq_mean_update):
-        arl.train_rl(copy.deepcopy(base), tasks, tok, cfg, 2, ref_model=base,
-                     progress=False, update_fn=update_fn)
-    assert calls == [cfg] * 4
+    def recording_step(self, *args, **kw):
+        steps.append(inside[0] > 0)
+        return real_step(self, *args, **kw)
+
+    monkeypatch.setattr(arl, 'rl_update', counting_update)
+    monkeypatch.setattr(torch.optim.Adam, 'step', recording_step)
+    for name, train in _trainers(tasks, tok, base, CONFIGS['chapter 7']).items():
+        steps.clear()
+        train(copy.deepcopy(base))
+        assert steps and all(steps), name
 
 
 def test_update_terms_belong_to_the_config():
@@ -119,3 +169,88 @@ def test_update_terms_belong_to_the_config():
     adv = torch.ones(2, 1)
     assert term.advantages(adv, None, None) is adv and term.stats(3) == {}
     assert term.loss(None, None, None, None, 3) is None
+
+
+@pytest.mark.parametrize('epochs, clip, tis_cap', [(3, 0.2, None), (2, None, None),
+                                                   (1, 0.2, None), (3, 0.2, 2.0)])
+def test_ppo_update_is_the_one_update_with_a_part_bit_for_bit(tiny_agent, epochs, clip,
+                                                              tis_cap):
+    """Chapter 8's ppo_update (chapter 7's rl_update with RecomputedOldLogProbs) trains
+    exactly as the frozen copy of its old loop; its per-step stats agree to rounding."""
+    batch, adv = _batch(tiny_agent)
+    base = tiny_agent[2]
+    cfg = CONFIGS['chapter 7']
+    out = []
+    for update in (ppo_update_v1, arl.ppo_update):
+        model = copy.deepcopy(base)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        out.append((model, update(model, opt, batch, adv, cfg, epochs, clip, tis_cap,
+                                  torch.Generator().manual_seed(1))))
+    (old, old_hist), (new, new_hist) = out
+    assert _same_weights(old, new) and not _same_weights(new, base)
+    assert len(new_hist) == len(old_hist) == epochs
+    for a, b in zip(old_hist, new_hist):
+        assert a.keys() == b.keys()
+        for key in a:           # per-micro-batch shares added up vs one division
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
+    assert new_hist[-1]['clip_frac'] == 0 if clip is None else True
+
+
+def test_ppo_update_refuses_bad_arguments(tiny_agent):
+    batch, adv = _batch(tiny_agent)
+    model = copy.deepcopy(tiny_agent[2])
+    opt = torch.optim.Adam(model.parameters())
+    cfg = CONFIGS['chapter 7']
+    with pytest.raises(ValueError, match='epochs'):
+        arl.ppo_update(model, opt, batch, adv, cfg, epochs=0)
+    with pytest.raises(ValueError, match='tis_cap'):
+        arl.ppo_update(model, opt, batch, adv, cfg, tis_cap=0)
+    with pytest.raises(ValueError, match='clip_eps'):
+        arl.ppo_update(model, opt, batch, adv, cfg, clip=-0.1)
+
+
+def _without(history, *keys):
+    return [{k: v for k, v in r.items() if k not in keys} for r in history]
+
+
+@pytest.mark.parametrize('low, high', [(-1.0, 2.0), (0.0, 1.0)])
+def test_curriculum_is_the_one_loop_with_a_sampler_bit_for_bit(monkeypatch, tiny_agent,
+                                                               low, high):
+    """Chapter 14's train_curriculum (train_rl with curriculum_sampler) trains exactly
+    as the frozen copy of its old loop and records the same steps."""
+    tasks, tok, base = tiny_agent
+    informative_rewards(monkeypatch)
+    cfg = CONFIGS['chapter 7']
+    runs = []
+    for loop in (train_curriculum_v1, arl.train_curriculum):
+        model = copy.deepcopy(base)
+        history = loop(model, tasks, tok, cfg, 4, low, high, 1, tasks[:3], 2, 2,
+                       progress=False)
+        runs.append((model, history))
+    (old, old_history), (new, new_history) = runs
+    assert _same_weights(old, new) and not _same_weights(new, base)
+    for r in old_history:
+        if 'n_episodes' in r:
+            r['sampled'] = r.pop('n_episodes')
+    assert _without(new_history, 'approx_kl') == _without(old_history, 'approx_kl')
+
+
+@pytest.mark.parametrize('fmt, cap', [('mxfp4', None), ('nvfp4', 2.0)])
+def test_quantized_rollout_is_the_one_loop_with_parts_bit_for_bit(monkeypatch,
+                                                                  tiny_agent, fmt, cap):
+    """Chapter 16's train_rl_quantized_rollout (train_rl with quantized_sampler and
+    RecomputedOldLogProbs) trains exactly as the frozen copy of its old loop."""
+    tasks, tok, base = tiny_agent
+    informative_rewards(monkeypatch)
+    cfg = CONFIGS['chapter 7']
+    runs = []
+    for loop in (train_rl_quantized_rollout_v1, arl.train_rl_quantized_rollout):
+        model = copy.deepcopy(base)
+        runs.append((model, loop(model, tasks, tok, cfg, 3, fmt, cap, tasks[:3], 2, 2,
+                                 progress=False)))
+    (old, old_history), (new, new_history) = runs
+    assert _same_weights(old, new) and not _same_weights(new, base)
+    keys = ('mismatch_abs_log', 'mismatch_share', 'loss', 'grad_norm', 'kept',
+            'sampled', 'reward', 'lr', 'heldout')
+    for a, b in zip(old_history, new_history, strict=True):
+        assert {k: a[k] for k in keys if k in a} == {k: b[k] for k in keys if k in a}

@@ -182,6 +182,63 @@ def test_compare_runs_rejects_bad_input():
         arl.compare_runs(before, [before], n_boot=0)
 
 
+# ---------------------------------------------------------------- seed_paired (chapter 7)
+def base_plus(ev, k):
+    """ev with k more correct episodes on every task (a rate may pass 1: only the
+    differences matter here)."""
+    return make_eval({t: (ev['family_of'][t], c + k) for t, c in ev['correct'].items()},
+                     4)
+
+
+def test_seed_paired_pairs_by_seed_and_is_compare_runs_against_one_evaluation():
+    gen = random.Random(5)
+    before = random_eval(gen, 30)
+    arm = lambda shift: [make_eval({t: (before['family_of'][t], min(4, c + s + shift))
+                                    for t, c in before['correct'].items()}, 4)
+                         for s in (0, 1, 2)]
+    a, b = arm(0), arm(1)
+    out = arl.seed_paired(a, b)
+    per_seed = [sum(y['per_task'][t] - x['per_task'][t] for t in before['per_task'])
+                / 30 for x, y in zip(a, b)]
+    assert out['per_seed'] == pytest.approx(per_seed)
+    assert out['diff'] == pytest.approx(sum(per_seed) / 3)
+    assert out['interval'][0] <= out['diff'] <= out['interval'][1]
+    runs = arl.compare_runs(before, b)
+    again = arl.seed_paired([before] * 3, b)
+    assert runs == dict(diff=again['diff'], interval=again['interval'],
+                        per_run=again['per_seed'])
+    # paired by seed: each seed's own level cancels (seed s adds s correct episodes to
+    # every task in both arms), so the seeds agree and the interval is a point
+    lo, hi = arl.seed_paired(arm(0), arm(0)[1:] + arm(0)[:1])['interval']
+    assert lo < hi                                   # unpaired seeds: spread
+    lo, hi = arl.seed_paired([base_plus(before, s) for s in (0, 1, 2)],
+                             [base_plus(before, s + 1) for s in (0, 1, 2)])['interval']
+    assert lo == pytest.approx(hi)
+
+
+def test_seed_paired_interval_resamples_seeds():
+    base = make_eval({f't{i}': ('a', 0) for i in range(20)}, 4)
+    b = [make_eval({f't{i}': ('a', c) for i in range(20)}, 4) for c in (1, 2, 3)]
+    lo, hi = arl.seed_paired([base] * 3, b)['interval']
+    assert 0.25 <= lo < 0.5 < hi <= 0.75     # every task gains the same within a seed
+    lo, hi = arl.seed_paired(b, b)['interval']
+    assert lo == hi == 0.0
+
+
+def test_seed_paired_rejects_bad_input():
+    ev = make_eval({'t0': ('a', 1), 't1': ('a', 2)}, 2)
+    with pytest.raises(ValueError, match='non-empty'):
+        arl.seed_paired([], [])
+    with pytest.raises(ValueError, match='pair them by seed'):
+        arl.seed_paired([ev, ev], [ev])
+    with pytest.raises(ValueError, match='other tasks'):
+        arl.seed_paired([ev], [make_eval({'t0': ('a', 1)}, 2)])
+    with pytest.raises(ValueError, match='level'):
+        arl.seed_paired([ev], [ev], level=1.0)
+    with pytest.raises(ValueError, match='n_boot'):
+        arl.seed_paired([ev], [ev], n_boot=0)
+
+
 # ---------------------------------------------------------------- task_overlap
 def test_task_overlap_counts_shared_prompts_and_tasks():
     T = arl.Task

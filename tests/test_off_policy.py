@@ -1,6 +1,5 @@
 """Tests for agentrl/off_policy.py (chapter 8): ratios, the clipped objective, TIS weights, ppo_update."""
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -103,7 +102,7 @@ def _tiny_batch():
 def test_ppo_update_first_epoch_is_on_policy_and_matches_reinforce_gradient():
     model, batch = _tiny_batch()
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    cfg = SimpleNamespace(micro_batch_size=4, max_grad_norm=1e9)
+    cfg = arl.RLConfig(micro_batch_size=4, max_grad_norm=1e9)
     reference = copy.deepcopy(model)
     arl.reinforce_loss(arl.sequence_log_probs(reference, batch['ids']), adv, batch['action_mask'], 'token_mean').backward()
     hist = arl.ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, adv, cfg, epochs=1)
@@ -141,7 +140,7 @@ def test_ppo_update_tis_weights_enter_the_gradient_truncated_at_the_cap():
 
     expected = reference_grad(rho.clamp(max=cap) * mask)
     untruncated, unweighted = reference_grad(rho * mask), reference_grad(mask)
-    cfg = SimpleNamespace(micro_batch_size=4, max_grad_norm=1e9)
+    cfg = arl.RLConfig(micro_batch_size=4, max_grad_norm=1e9)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     hist = arl.ppo_update(model, opt, batch, adv, cfg, epochs=1, tis_cap=cap)
     got = _grads(model)
@@ -159,7 +158,7 @@ def test_ppo_update_several_epochs_move_the_ratio():
     model, batch = _tiny_batch()
     start = copy.deepcopy(model)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    cfg = SimpleNamespace(micro_batch_size=4, max_grad_norm=1.0)
+    cfg = arl.RLConfig(micro_batch_size=4, max_grad_norm=1.0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     hist = arl.ppo_update(model, opt, batch, adv, cfg, epochs=3)
     assert len(hist) == 3 and [h['epoch'] for h in hist] == [0, 1, 2]

@@ -216,7 +216,7 @@ def test_train_rl_evaluates_at_the_cadence_and_after_the_last_step(tiny_rl):
     history, _ = tiny_rl(5, eval_tasks=eval_tasks)
     assert [h['step'] for h in history] == [0, 1, 2, 3, 4, 5]
     assert [h['step'] for h in history if 'heldout' in h] == [0, 2, 4, 5]
-    assert history[-1].keys() == {'step', 'heldout'}         # the final evaluation, no training
+    assert history[-1].keys() == {'step', 'episodes', 'heldout'}   # final evaluation only
     for h in history:
         if 'heldout' in h:
             assert h['heldout']['n_episodes'] == 3 * 2         # eval_n episodes per task

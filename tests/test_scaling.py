@@ -246,12 +246,12 @@ def test_curriculum_drops_tasks_it_never_solves():
     cfg = arl.RLConfig(group_size=2, tasks_per_step=4, max_tokens=24, max_turns=1)
     history = arl.train_curriculum(model, tasks, tok, cfg, steps=3, revisit=0)
     assert [h['pool'] for h in history] == [6, 2, 0]                         # all-wrong tasks leave the pool
-    assert [h['n_episodes'] for h in history] == [8, 4, 0]                   # nothing left to sample: no crash
+    assert [h['sampled'] for h in history] == [8, 4, 0]                      # nothing left to sample: no crash
     assert all(h['zero_adv_frac'] == 1.0 for h in history[:2])
     # cfg.lr_schedule is followed, as in train_rl: linear decay to 0 over the run
     assert [h['lr'] for h in history] == pytest.approx([cfg.lr * (1 - s / 3) for s in range(3)])
     again = arl.train_curriculum(model, tasks, tok, cfg, steps=3, low=-1.0, high=2.0)
-    assert [h['pool'] for h in again] == [6, 6, 6] and all(h['n_episodes'] == 8 for h in again)
+    assert [h['pool'] for h in again] == [6, 6, 6] and all(h['sampled'] == 8 for h in again)
 
 
 def _mixed_rewards(monkeypatch):
@@ -289,7 +289,7 @@ def test_curriculum_heldout_cadence_and_episode_counts(monkeypatch):
     total = 0
     for h in history[:-1]:
         assert h['episodes'] == total                      # episodes sampled before this step
-        total += h['n_episodes']
+        total += h['sampled']
     assert history[-1]['episodes'] == total > 0
     assert sum(h['kept'] for h in history[:-1]) > 0 and all('loss' in h for h in history[:-1]
                                                              if h['kept'])

@@ -308,7 +308,9 @@ def train_opd(student, teachers, tasks, tok, cfg, steps, eval_tasks=None,
     optimizer = torch.optim.Adam(student.parameters(), lr=cfg.lr)
     env_fn = lambda: arl.make_env(cfg)
 
-    def evaluate(step):
+    def evaluate(step):     # the start is the same for every run from one student
+        if step == 0:
+            return arl.evaluate_once(student, eval_tasks, tok, eval_n, 0, cfg)
         return arl.evaluate(student, eval_tasks, tok, eval_n,
                             generator=torch.Generator().manual_seed(step), cfg=cfg)
 

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
 import re
 
 
@@ -315,7 +316,9 @@ def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval
             *sample_step(model, env_fn, tasks, tok, cfg, generator), {})
     update = arl.rl_update if update_fn is None else update_fn
 
-    def evaluate(step):
+    def evaluate(step):         # the start: the same for every run from one model
+        if step == 0:
+            return arl.evaluate_once(model, eval_tasks, tok, eval_n, 0, cfg)
         return arl.evaluate(model, eval_tasks, tok, eval_n,
                             generator=torch.Generator().manual_seed(step), cfg=cfg)
 
@@ -387,6 +390,32 @@ def tasks_hash(tasks):
     if tasks is None:
         return None
     return arl.recipe_hash([list(dataclasses.astuple(t)) for t in tasks])
+
+
+def evaluate_once(model, tasks, tok, n, seed, cfg):
+    """arl.evaluate(model, tasks, tok, n, generator seeded with `seed`, cfg=cfg),
+    computed once per model and cached on disk -> evaluate's dict.
+
+    train_rl measures its start with it: the runs of a chapter start from one model,
+    so their first held-out evaluation is the same. The key: the model's weights, the
+    tasks, the vocabulary, n, seed, cfg's limits and temperature (all that evaluate
+    reads of cfg), the code evaluate runs (BASE_MODULES) and what rounds the floats.
+    Stored pickled, so a warm call returns what a cold one does (tuples stay tuples).
+    """
+    key = dict(model=model_hash(model), tasks=tasks_hash(tasks), vocab=tok.itos, n=n,
+               seed=seed, max_turns=cfg.max_turns, max_tokens=cfg.max_tokens,
+               temperature=cfg.temperature, code=code_hash(arl.BASE_MODULES),
+               torch=torch.__version__, cpu=torch.backends.cpu.get_cpu_capability(),
+               device=sorted({str(p.device) for p in model.parameters()}))
+    path = arl.cache_dir() / f'eval-{arl.recipe_hash(key)}.pkl'
+    if path.exists():
+        return pickle.loads(path.read_bytes())
+    result = arl.evaluate(model, tasks, tok, n,
+                          generator=torch.Generator().manual_seed(seed), cfg=cfg)
+    tmp = path.with_name(f'{path.name}.{os.getpid()}.tmp')
+    tmp.write_bytes(pickle.dumps(result))
+    tmp.replace(path)                     # atomic, as for the runs below
+    return result
 
 
 def cached_training(kind, base, key, train, modules=RUN_MODULES):
@@ -500,6 +529,7 @@ __all__ = [
     'code_hash',
     'model_hash',
     'tasks_hash',
+    'evaluate_once',
     'cached_training',
     'train_rl_cached',
     'seed_paired',

@@ -2,6 +2,7 @@
 chapters add parts (chapter 9's update terms) and hooks (transform, update_fn). Checked
 bit for bit against frozen copies of the code every cached run was trained with."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -66,8 +67,9 @@ def test_one_update_with_parts_is_the_old_update_bit_for_bit(tiny_agent, name):
 
 @pytest.mark.parametrize('hooks', ['none', 'transform', 'update_fn'])
 @pytest.mark.parametrize('name', ['chapter 7', 'k3 loss + entropy'])
-def test_one_loop_with_hooks_is_the_old_loop_bit_for_bit(monkeypatch, tiny_agent, name,
-                                                         hooks):
+def test_one_loop_with_hooks_is_the_old_loop_bit_for_bit(monkeypatch, tmp_path, tiny_agent,
+                                                         name, hooks):
+    monkeypatch.setenv('AGENTRL_CACHE', str(tmp_path))
     tasks, tok, base = tiny_agent
     informative_rewards(monkeypatch)
     cfg = CONFIGS[name]
@@ -80,12 +82,14 @@ def test_one_loop_with_hooks_is_the_old_loop_bit_for_bit(monkeypatch, tiny_agent
     if hooks == 'update_fn':
         kw['update_fn'] = arl.seq_mean_update
     runs = []
-    for loop in (train_rl_v1, arl.train_rl):
+    # the new loop twice: its first evaluation is computed, then read from the cache
+    for loop in (train_rl_v1, arl.train_rl, arl.train_rl):
         model = copy.deepcopy(base)
         history = loop(model, tasks, tok, cfg, 3, tasks[:3], 2, 2, ref_model=ref,
                        progress=False, **kw)
         runs.append((model, history))
-    (old, old_history), (new, new_history) = runs
+    (old, old_history), (new, new_history), (warm, warm_history) = runs
+    assert _same_weights(new, warm) and warm_history == new_history
     assert _same_weights(old, new)
     # the one loop also records the episodes sampled before each step, and the one
     # update its approx_kl
@@ -254,3 +258,31 @@ def test_quantized_rollout_is_the_one_loop_with_parts_bit_for_bit(monkeypatch,
             'sampled', 'reward', 'lr', 'heldout')
     for a, b in zip(old_history, new_history, strict=True):
         assert {k: a[k] for k in keys if k in a} == {k: b[k] for k in keys if k in a}
+
+
+def test_evaluate_once_is_evaluate_computed_once(monkeypatch, tmp_path, tiny_agent):
+    """train_rl's first held-out evaluation comes from evaluate_once: the same dict as
+    arl.evaluate, computed once per model and settings, cold or warm."""
+    tasks, tok, base = tiny_agent
+    monkeypatch.setenv('AGENTRL_CACHE', str(tmp_path))
+    cfg = CONFIGS['chapter 7']
+    fresh = arl.evaluate(base, tasks[:3], tok, 2,
+                         generator=torch.Generator().manual_seed(0), cfg=cfg)
+    calls = []
+    real = arl.evaluate
+    monkeypatch.setattr(arl, 'evaluate', lambda *a, **k: calls.append(1) or real(*a, **k))
+    cold = arl.evaluate_once(base, tasks[:3], tok, 2, 0, cfg)
+    other_seed = dataclasses.replace(cfg, seed=cfg.seed + 1, lr=0.5)   # not read
+    warm = arl.evaluate_once(base, tasks[:3], tok, 2, 0, other_seed)
+    assert cold == fresh and warm == fresh and len(calls) == 1
+    assert isinstance(warm['interval'], tuple)
+    for changed in (dict(n=3), dict(seed=1), dict(cfg=dataclasses.replace(cfg,
+                                                                          max_turns=2))):
+        args = {**dict(n=2, seed=0, cfg=cfg), **changed}
+        arl.evaluate_once(base, tasks[:3], tok, args['n'], args['seed'], args['cfg'])
+    assert len(calls) == 4                       # each setting is its own entry
+    trained = copy.deepcopy(base)
+    with torch.no_grad():
+        next(trained.parameters()).add_(0.01)
+    arl.evaluate_once(trained, tasks[:3], tok, 2, 0, cfg)
+    assert len(calls) == 5                       # another model: another entry

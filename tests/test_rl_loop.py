@@ -289,7 +289,8 @@ def test_train_rl_cached_trains_once_and_a_warm_call_returns_the_cold_result(
     direct, direct_model = tiny_rl(3, eval_tasks=eval_tasks)
     assert _same_weights(direct_model, cold_model)
     assert json.loads(json.dumps(direct)) == cold
-    assert sorted(p.suffix for p in cache.iterdir()) == ['.json', '.safetensors']
+    # the run's weights and history, and its first held-out evaluation (evaluate_once)
+    assert sorted(p.suffix for p in cache.iterdir()) == ['.json', '.pkl', '.safetensors']
 
 
 def test_train_rl_cached_key_covers_cfg_steps_tasks_base_and_code(

@@ -206,54 +206,34 @@ def observation_tokens_trained(traj, tok):
 
 def compare_arms(a, b, families=None, level=0.95, n_boot=2000, seed=0):
     """Mean pass-rate difference of arm b over arm a, each several runs evaluated on
-    the same tasks, with an interval over runs and tasks -> dict(diff, interval,
+    the same tasks and paired by seed (a[i] and b[i] trained with the same seed), with
+    chapter 7's seed_paired interval over seeds and tasks -> dict(diff, interval,
     per_run_a, per_run_b).
 
-    a, b: non-empty lists of evaluations (arl.evaluate), one per run (e.g. seed).
-    Each bootstrap sample draws the runs of each arm with replacement and the tasks
-    with replacement within family, the same tasks for both arms (paired over tasks),
-    so the interval covers the randomness of training, tasks and episodes.
-    families: only the tasks of these families (default all). per_run_a,
-    per_run_b: each run's mean pass rate over those tasks.
+    a, b: non-empty lists of evaluations (arl.evaluate), one per seed. families: only
+    the tasks of these families (default all). per_run_a, per_run_b: each run's mean
+    pass rate over those tasks.
     """
     for arg, runs in (('a', a), ('b', b)):
         if not isinstance(runs, (list, tuple)) or not runs:
             raise ValueError(f'{arg} must be a non-empty list of evaluations')
     names = list(a[0]['per_task'])
-    for arg, runs in (('a', a), ('b', b)):
-        for i, ev in enumerate(runs):
-            if set(ev['per_task']) != set(names):
-                raise ValueError(f'{arg}[{i}] evaluates other tasks than a[0]')
-    if not 0 < level < 1:
-        raise ValueError(f'level must be in (0, 1), got {level}')
     if families is not None:
         names = [t for t in names if a[0]['family_of'][t] in families]
         if not names:
             raise ValueError(f'no task of families {families}')
 
-    def rates(runs):                                            # [runs, tasks]
-        return torch.tensor([[ev['per_task'][t] for t in names] for ev in runs],
-                            dtype=torch.float64)
+    def only(ev):                             # the evaluation of `names` alone
+        if set(ev['per_task']) != set(a[0]['per_task']):
+            raise ValueError('an evaluation of a or b has other tasks than a[0]')
+        return dict(per_task={t: ev['per_task'][t] for t in names},
+                    family_of={t: ev['family_of'][t] for t in names})
 
-    ra, rb = rates(a), rates(b)
-    gen = torch.Generator().manual_seed(seed)
-    labels = [a[0]['family_of'][t] for t in names]
-    weights = torch.zeros(n_boot, len(names), dtype=torch.float64)  # [n_boot, tasks]
-    for f in dict.fromkeys(labels):                 # tasks resampled within family
-        idx = torch.tensor([i for i, g in enumerate(labels) if g == f])
-        draw = idx[torch.randint(len(idx), (n_boot, len(idx)), generator=gen)]
-        weights.scatter_add_(1, draw, torch.ones_like(draw, dtype=torch.float64))
-    weights /= len(names)
-    pick_a = torch.randint(len(a), (n_boot, len(a)), generator=gen)
-    pick_b = torch.randint(len(b), (n_boot, len(b)), generator=gen)
-    # [n_boot, tasks]: each sample's mean over its drawn runs
-    mean_a, mean_b = ra[pick_a].mean(1), rb[pick_b].mean(1)
-    diffs = ((mean_b - mean_a) * weights).sum(1)                    # [n_boot]
-    tail = (1 - level) / 2
-    low, high = torch.quantile(diffs, torch.tensor([tail, 1 - tail],
-                                                   dtype=torch.float64))
-    return dict(diff=float(rb.mean() - ra.mean()), interval=(low.item(), high.item()),
-                per_run_a=ra.mean(1).tolist(), per_run_b=rb.mean(1).tolist())
+    a, b = [only(ev) for ev in a], [only(ev) for ev in b]
+    out = arl.seed_paired(a, b, level, n_boot, seed)
+    mean = lambda ev: sum(ev['per_task'].values()) / len(names)
+    return dict(diff=out['diff'], interval=out['interval'],
+                per_run_a=[mean(ev) for ev in a], per_run_b=[mean(ev) for ev in b])
 
 
 TRANSFORMS = dict(none=None, unmask_observations=unmask_observations,

@@ -206,27 +206,31 @@ def _eval(rates, families):
 
 
 def test_compare_arms():
+    """Chapter 7's seed_paired on the tasks of some families: runs paired by seed."""
     fam = ['x', 'x', 'y', 'y']
     a = [_eval([0.0, 0.5, 0.5, 1.0], fam), _eval([0.5, 0.5, 0.5, 0.5], fam)]
-    b = [_eval([1.0, 1.0, 0.5, 1.0], fam)]
+    b = [_eval([1.0, 1.0, 0.5, 1.0], fam), _eval([0.5, 1.0, 0.5, 1.0], fam)]
     r = arl.compare_arms(a, b)
-    assert r['diff'] == pytest.approx(1.0 * 3.5 / 4 - 0.5)
-    assert r['per_run_a'] == [0.5, 0.5] and r['per_run_b'] == [0.875]
+    assert r['diff'] == pytest.approx((0.875 + 0.75) / 2 - 0.5)
+    assert r['per_run_a'] == [0.5, 0.5] and r['per_run_b'] == [0.875, 0.75]
     low, high = r['interval']
     assert low <= r['diff'] <= high
+    assert r['interval'] == arl.seed_paired(a, b)['interval']
     same = arl.compare_arms(a, a)
-    assert same['diff'] == 0
+    assert same['diff'] == 0 and same['interval'] == (0.0, 0.0)
     only_y = arl.compare_arms(a, b, families=('y',))
-    assert only_y['diff'] == pytest.approx(0.75 - 0.625)
-    # identical runs: the interval is the paired one over tasks; with a constant
-    # difference it has no width
-    c = [_eval([0.25, 0.5, 0.5, 0.75], fam)]
-    d = [_eval([0.5, 0.75, 0.75, 1.0], fam)]
+    assert only_y['diff'] == pytest.approx((0.75 + 0.75) / 2 - 0.625)
+    assert only_y['per_run_b'] == [0.75, 0.75]
+    # a constant difference in every task of every seed: no width
+    c = [_eval([0.25, 0.5, 0.5, 0.75], fam)] * 2
+    d = [_eval([0.5, 0.75, 0.75, 1.0], fam)] * 2
     assert arl.compare_arms(c, d)['interval'] == pytest.approx((0.25, 0.25))
     with pytest.raises(ValueError, match='non-empty'):
         arl.compare_arms([], b)
     with pytest.raises(ValueError, match='other tasks'):
-        arl.compare_arms(a, [_eval([1.0], ['x'])])
+        arl.compare_arms(a, [_eval([1.0], ['x'])] * 2)
+    with pytest.raises(ValueError, match='pair them by seed'):
+        arl.compare_arms(a, b[:1])
     with pytest.raises(ValueError, match='families'):
         arl.compare_arms(a, b, families=('z',))
     with pytest.raises(ValueError, match='level'):

@@ -10,6 +10,8 @@ import math
 import functools
 
 
+# -------- 1. What to log, and why
+
 def _update_rows(batch, advantages, pack, max_tokens):
     """The rows an update trains on -> dict: ids [R, L], action_mask / sample_logp /
     adv [R, L-1], length [R], and for packed rows position_ids, segment_ids [R, L]."""
@@ -152,6 +154,8 @@ def traced_update(model, optimizer, batch, advantages, cfg, ref_model=None,
                          terms=(trace,))
 
 
+# -------- 3. One page per run: `dashboard`
+
 PANELS = ('reward and pass rate', 'outcome shares', 'zero-advantage share',
           'length', 'entropy', 'KL to the base', 'gradient norm', 'clip fraction',
           'ratio extremes', 'update KL', 'sampler mismatch', 'loss identity')
@@ -262,6 +266,8 @@ def dashboard(history, reference=None, thresholds=None, title=None, ncols=4):
     return fig
 
 
+# -------- 4. Checks whose thresholds come from noise
+
 CHECKS = {
     # name: what a firing check means
     'sampler_mismatch': "the trainer's old log-probs disagree with the sampler's",
@@ -350,6 +356,8 @@ def run_checks(history, thresholds):
                             meaning=CHECKS[name])
     return report
 
+
+# -------- 5. A gallery of bugs
 
 BUGS = ('leaky_packing', 'micro_normalisation', 'observations_in_loss',
         'stale_old_logp', 'lr_x30')

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 
+# -------- The generalised JSD and its two endpoints
+
 def _check_logits(student_logits, teacher_logits):
     """Shared argument checks of the divergences: two float tensors [..., V] of one
     shape."""
@@ -78,6 +80,8 @@ def generalized_jsd(student_logits, teacher_logits, beta, temperature=1.0):
     return beta * _kl(t, m) + (1 - beta) * _kl(s, m)
 
 
+# -------- One specialist per family
+
 # One specialist per family: chapter 7's RL on tasks of that family only, drawn
 # fresh (arl.make_demo_tasks: no train, held-out or ood prompt) and plentiful, so
 # that the specialist cannot memorise them.
@@ -138,6 +142,8 @@ def make_teachers(tok, recipe=None, base=None, families=None, with_history=False
     return (teachers, histories) if with_history else teachers
 
 
+# -------- Three per-token estimators at one state
+
 def token_kl_estimators(student_logits, teacher_logits, n_samples, generator):
     """Per-token estimators of the reverse KL(s || t) at one state, from n_samples
     tokens x ~ s: student_logits, teacher_logits [V] -> dict.
@@ -173,6 +179,8 @@ def token_kl_estimators(student_logits, teacher_logits, n_samples, generator):
         reward=dict(values=None,                          # -advantage * grad log s(x)
                     grads=-log_ratio[:, None] * score))
 
+
+# -------- The distillation loop
 
 @dataclass
 class OPDConfig(arl.SamplingConfig):

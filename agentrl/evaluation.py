@@ -8,6 +8,8 @@ import numbers
 from statistics import NormalDist
 
 
+# -------- 12.4 Paired against unpaired comparisons
+
 def unpaired_interval(before, after, level=0.95, n_boot=2000, seed=0):
     """Difference of the mean pass rates of two evaluations, with an interval that
     resamples each one's tasks independently (stratified by family) -> dict(diff,
@@ -33,6 +35,8 @@ def unpaired_interval(before, after, level=0.95, n_boot=2000, seed=0):
     return dict(diff=diff, interval=arl.bootstrap_interval(values, groups, level,
                                                            n_boot, seed))
 
+
+# -------- 12.5 Seeds: how much runs disagree, and how many a claim needs
 
 def compare_runs(before, afters, level=0.95, n_boot=2000, seed=0):
     """Mean gain of several runs (e.g. seeds) over one evaluation, with an interval
@@ -75,6 +79,8 @@ def seeds_needed(delta, sd, level=0.95, power=0.8):
     return max(2, math.ceil(2 * (z_a + z_b) ** 2 * (sd / delta) ** 2 + z_a ** 2 / 4))
 
 
+# -------- 12.6 Contamination: evaluating on what was trained on
+
 def task_overlap(reference, tasks):
     """How many of `tasks` share a prompt, or a (prompt, store) pair, with a task of
     `reference` -> dict(prompts, pairs, n).
@@ -91,6 +97,8 @@ def task_overlap(reference, tasks):
     return dict(prompts=sum(t.prompt in prompts for t in tasks),
                 pairs=sum((t.prompt, t.store) in pairs for t in tasks), n=len(tasks))
 
+
+# -------- 12.7 A report card
 
 REPORT_KEYS = ('per_task', 'family_of', 'correct', 'n')
 

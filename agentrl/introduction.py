@@ -8,6 +8,8 @@ import time
 import torch
 
 
+# -------- Five small helpers
+
 def pick_device(prefer_gpu=True):
     """'cuda' when a GPU is present and wanted, else 'cpu'.
 
@@ -81,6 +83,8 @@ def plot_curves(curves, xlabel='step', ylabel='', title='', ax=None, smooth=1):
         ax.legend()
     return ax
 
+
+# -------- Threads: why the book runs on one
 
 TINY_MODEL_THREADS = 1      # the book's models run fastest on one thread (measured)
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import agentrl as arl
 
 
+# -------- 1. Three estimators of one number
+
 KL_ESTIMATORS = ('k1', 'k2', 'k3')
 
 
@@ -29,6 +31,8 @@ def kl_estimate(logp, ref_logp, estimator='k3'):
         return 0.5 * log_r ** 2
     return torch.expm1(log_r) - log_r
 
+
+# -------- 4. `rl_update` with a reference model
 
 @dataclass
 class KLConfig(arl.RLConfig):

@@ -34,6 +34,8 @@ import threading
 import weakref
 
 
+# -------- 1. A store with a light side and a heavy side
+
 # The heavy per-token fields and their element types (hidden: [T, d] per trajectory),
 # hidden in the store's default dtype, float16.
 HEAVY_FIELDS = ('tokens', 'logp', 'mask', 'hidden')
@@ -627,6 +629,8 @@ def synthetic_trajectory(n_tokens, d=4, vocab=52, seed=0, prompt='', n_teachers=
                 status='finished' if g.random() < 0.8 else 'truncated')
 
 
+# -------- 2. Dispatch on metadata alone
+
 def budget_batches(lengths, max_tokens):
     """Chapter 14's token_budget_batches, vectorised -> (order [N], bounds [B + 1]):
     mini-batch b is order[bounds[b]:bounds[b + 1]], the same members in the same
@@ -744,6 +748,8 @@ def fill_batch(store, batch, views):
             views[f][sl] = got[f]
     return store.counters['heavy_bytes'] - before
 
+
+# -------- 3. One copy per node, released after every step
 
 SMAPS_FIELDS = ('Rss', 'Pss', 'Pss_Anon', 'Pss_File', 'Pss_Shmem')
 
@@ -1049,6 +1055,8 @@ class _Loader:
                 p.kill()
         self.init_path.unlink(missing_ok=True)
 
+
+# -------- 5. The write-ahead log at a million tokens
 
 _CRC_TABLES = {}
 

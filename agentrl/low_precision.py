@@ -12,6 +12,8 @@ import agentrl as arl
 import functools
 
 
+# -------- The formats, bit by bit
+
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # codes 0..7
 
 
@@ -88,6 +90,8 @@ def e4m3_encode(x):
     _check_finite(x)
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
+
+# -------- MX blocks and NVFP4
 
 class QuantizedTensor:
     """Common interface of the quantised tensors: .shape, .dequantize() -> float32
@@ -257,6 +261,8 @@ def quantize_fp8(x):
                      tuple(x.shape), clipped)
 
 
+# -------- Why FP4 → FP8 can be lossless, and exactly when
+
 def fp4_to_fp8_exact_spread():
     """(shift h, max_spread) of the MXFP4 -> E4M3 cast, derived from the formats.
 
@@ -324,6 +330,8 @@ def mxfp4_to_fp8(q, tile=128, on_inexact='raise'):
     scales = torch.ldexp(torch.ones(tr * tc), tile_exp).view(tr, tc)
     return FP8Tensor((R, C), values, scales, (tile, tile)), report
 
+
+# -------- A quantised TinyAgent for inference only
 
 class _RefuseBackward(torch.autograd.Function):
     """Identity in the forward; a backward that raises, saying why."""
@@ -457,6 +465,8 @@ def teacher_forced_kl(reference, model, batch, micro_batch_size=64):
         out.append((p.exp() * (p - q)).sum(-1))
     return torch.cat(out)
 
+
+# -------- The trainer–sampler mismatch of a quantised rollout
 
 def quantized_sampler(tok, cfg, fmt):
     """A sample_fn for chapter 7's train_rl: each step samples with

@@ -10,6 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+# -------- 3.2 Attention and the mask convention
+
 def _attention_mask(mask, batch, heads):
     """nn.MultiheadAttention-style mask -> SDPA mask [B or 1, H or 1, L, S].
 
@@ -77,6 +79,8 @@ class SelfAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
 
+
+# -------- 3.3 Blocks and TinyAgent
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)).
@@ -169,6 +173,8 @@ class TinyAgent(nn.Module):
         return (logits, hidden) if return_hidden else logits
 
 
+# -------- 3.5 The KV cache
+
 class KVCache:
     """Keys and values of every layer for a batch of sequences of one common length.
 
@@ -188,6 +194,8 @@ class KVCache:
         self.k = [k[rows] for k in self.k]
         self.v = [v[rows] for v in self.v]
 
+
+# -------- 3.6 Log-probabilities, stably
 
 def selected_log_probs(logits, ids):
     """log softmax(logits)[ids], computed stably in float32.
@@ -209,6 +217,8 @@ def sequence_log_probs(model, ids):
     """
     return selected_log_probs(model(ids)[:, :-1], ids[:, 1:])
 
+
+# -------- 3.7 The first memory wall: full-vocabulary logits
 
 def chunked_log_probs(hidden, weight, ids, chunk_size=1024):
     """Selected-token log-probs, chunk by chunk along T.

@@ -8,6 +8,8 @@ import torch
 import agentrl as arl
 
 
+# -------- An episode as a decision process
+
 def episode_turns(traj, tok):
     """Cut an episode into its turns -> list of dicts, in order.
 
@@ -36,6 +38,8 @@ def episode_turns(traj, tok):
             start = i
     return turns
 
+
+# -------- Who gets the credit
 
 WASTED = ('malformed', 'off_prompt', 'repeat')     # why a tool call was wasted
 
@@ -150,6 +154,8 @@ def cosine(a, b):
     """Cosine similarity of two flat tensors [P] -> float."""
     return float(torch.dot(a, b) / (a.norm() * b.norm()).clamp(min=1e-30))
 
+
+# -------- Observation masking
 
 def observation_mask(traj):
     """Where an episode's observations are predicted -> [T-1] float mask: 1 at

@@ -8,6 +8,8 @@ import dataclasses
 import math
 
 
+# -------- Importance ratios
+
 def importance_ratio(logp, old_logp, mask):
     """Per-token ratio exp(logp - old_logp) on policy tokens, 1 elsewhere.
 
@@ -19,6 +21,8 @@ def importance_ratio(logp, old_logp, mask):
                          f'{tuple(mask.shape)}')
     return torch.where(mask.bool(), (logp - old_logp).exp(), torch.ones_like(logp))
 
+
+# -------- Several updates per batch: the clipped objective
 
 def clipped_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2,
                  norm_const=None, weights=None):

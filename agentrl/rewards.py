@@ -6,6 +6,8 @@ import re
 import agentrl as arl
 
 
+# -------- What a reward function sees
+
 def parse_episode(traj, tok):
     """What happened in one episode, read from its tokens -> dict.
 
@@ -37,6 +39,8 @@ def parse_episode(traj, tok):
     return dict(actions=actions, observations=observations, calls=calls, answer=answer,
                 outcome=traj.info.get('outcome'), turns=traj.info.get('turns', 0))
 
+
+# -------- Partial credit and penalties
 
 def outcome_reward(ep, task):
     """The environment's own reward: 1.0 for a correct answer, else 0.0."""
@@ -113,6 +117,8 @@ def penalized_reward(ep, task):
     return outcome_reward(ep, task) - FORMAT_PENALTY * bad - LIMIT_PENALTY * limit
 
 
+# -------- Training on a shaped reward
+
 def reward_transform(reward_fn, tasks, tok):
     """A transform for train_rl that rescores every sampled episode with
     reward_fn(parse_episode(traj, tok), task) -> transform(sampled, step).
@@ -137,6 +143,8 @@ def reward_transform(reward_fn, tasks, tok):
     return transform
 
 
+# -------- Reward hacking, for real
+
 TOOL_BONUS = 0.25       # per tool call: meant to encourage using the tools
 
 
@@ -158,6 +166,8 @@ def tool_bonus_fixed(ep, task):
     useful = {c for c, o in zip(ep['calls'], ep['observations']) if o != arl.ERROR}
     return 1.0 + TOOL_BONUS * min(len(useful), MAX_BONUS_CALLS)
 
+
+# -------- Normalisation: the biases of dividing by length and by the group's spread
 
 def seq_mean_update(model, optimizer, batch, advantages, cfg, ref_model=None,
                     generator=None):

@@ -15,6 +15,8 @@ import pickle
 import re
 
 
+# -------- The configuration
+
 @dataclass
 class RLConfig(arl.SamplingConfig):
     """Everything one RL run needs besides the model and the tasks.
@@ -54,6 +56,8 @@ class RLConfig(arl.SamplingConfig):
         return ()
 
 
+# -------- Sampling a step, and dropping what cannot teach
+
 def sample_step(model, env_fn, tasks, tok, cfg, generator):
     """Sample cfg.group_size episodes for each of cfg.tasks_per_step random tasks
     -> (kept, sampled).
@@ -72,6 +76,8 @@ def sample_step(model, env_fn, tasks, tok, cfg, generator):
             for t in sampled[g:g + G]]
     return kept, sampled
 
+
+# -------- The update: micro-batches that add up
 
 def token_entropy(logits):
     """Exact entropy of softmax(logits) in nats: logits [..., V] -> [...]."""
@@ -242,6 +248,8 @@ def _micro_step(model, batch, rows, advantages, old_logp, n_tokens, cfg, terms, 
             step['r_max'] = max(step['r_max'], r.max().item())
             step['approx_kl'] += (r - 1 - log_r).sum().item()
 
+
+# -------- What the policy does, and the loop
 
 OUTCOMES = ('correct', 'wrong', 'turn_limit', 'token_limit')
 
@@ -472,6 +480,8 @@ def train_rl_cached(base, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10
     return cached_training('rl_run', base, key, lambda model: train_rl(
         model, tasks, tok, cfg, steps, eval_tasks, eval_every, eval_n, progress=False))
 
+
+# -------- Training
 
 def seed_paired(a, b, level=0.95, n_boot=2000, seed=0):
     """b - a, paired by seed and by task -> dict(diff, interval, per_seed).

@@ -9,6 +9,8 @@ from collections import deque
 import operator
 
 
+# -------- 4.3 Multi-turn episodes
+
 @dataclass
 class SamplingConfig(arl.EnvConfig):
     """How episodes are sampled: group_size episodes per task at `temperature`,
@@ -141,6 +143,8 @@ def render_trajectory(traj, tok, open_mark='[', close_mark=']'):
         out.append(tok.itos[token])
     return ''.join(out) + (close_mark if inside else '')
 
+
+# -------- 4.6 Episode lengths and padding
 
 def pad_rows(rows, width, fill):
     """List of 1-D tensors -> [len(rows), width], right-padded with `fill`.

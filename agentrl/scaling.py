@@ -9,6 +9,8 @@ import contextlib
 import torch.distributed as dist
 
 
+# -------- 2. Packing: many episodes per row, none of them seeing another
+
 def pack_sequences(trajs, max_tokens, pad_id=0):
     """Pack trajectories into rows of max_tokens tokens by first-fit decreasing -> dict.
 
@@ -76,6 +78,8 @@ def packed_logits(model, ids, position_ids, segment_ids):
     return model(ids, position_ids=position_ids, mask=blocked[:, None])
 
 
+# -------- 3. Micro-batches by a token budget
+
 def token_budget_batches(lengths, max_tokens):
     """Group sequence indices into micro-batches whose padded size (members x longest
     member) <= max_tokens.
@@ -102,6 +106,8 @@ def token_budget_batches(lengths, max_tokens):
     return batches + [current] if current else batches
 
 
+# -------- 4. Never materialise the logits
+
 def _chunk_log_probs(hidden, weight, ids):
     """One chunk: hidden [B, C, D], weight [V, D], ids [B, C] -> [B, C]; its logits live
     only inside this call."""
@@ -123,6 +129,8 @@ def checkpointed_log_probs(hidden, weight, ids, chunk_size=1024):
               for s in range(0, hidden.shape[1], chunk_size)]
     return torch.cat(pieces, dim=1)
 
+
+# -------- 5. Loss normalisation under gradient accumulation
 
 def data_parallel_worker(rank, world_size, job_path, init_path):
     """One rank of a data-parallel REINFORCE gradient on CPU (gloo); run it with
@@ -162,6 +170,8 @@ def data_parallel_worker(rank, world_size, job_path, init_path):
     finally:
         dist.destroy_process_group()
 
+
+# -------- 6. A curriculum by pass rate
 
 def filter_by_pass_rate(tasks, pass_rates, low=0.0, high=1.0):
     """The tasks whose estimated pass rate lies strictly between low and high."""

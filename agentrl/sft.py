@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 
+# -------- 5.2 Expert demonstrations
+
 def make_demo_tasks(n_per_family=400, seed=1):
     """Fresh tasks for demonstrations (about n_per_family per family), none of which is
     a train, held-out or ood task: drawn with another seed; a task with the (prompt,
@@ -28,6 +30,8 @@ def make_demo_tasks(n_per_family=400, seed=1):
     return [t for t in drawn
             if (t.prompt, t.store) not in taken and t.prompt not in unseen]
 
+
+# -------- 5.3 The loss on action tokens only
 
 AGENT_TOKENS_START = ('<call>', '<ans>')
 
@@ -63,6 +67,8 @@ def action_token_loss(model, batch):
         raise ValueError('action_mask selects no token: nothing to train on')
     return -(logp * mask).sum() / mask.sum()
 
+
+# -------- 5.4 Training on demonstrations
 
 def train_sft(model, tasks, tok, steps=600, batch_size=32, lr=3e-3, seed=0,
               family_weights=None, progress=True):
@@ -137,6 +143,8 @@ def build_rl_base(tok, recipe=None, progress=True):
                        progress=progress)
     return model, losses
 
+
+# -------- 5.5 Evaluating: intervals, pass@k and greedy decoding
 
 def pass_at_k(n, c, k):
     """Unbiased pass@k (Chen et al., 2021) of a task with c correct of n sampled
@@ -287,6 +295,8 @@ def wilson_interval(successes, n, level=0.95):
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+# -------- 5.6 Comparing two evaluations: paired intervals
+
 def compare_evaluations(before, after, level=0.95, n_boot=2000, seed=0):
     """Paired comparison of two evaluations of the same tasks -> dict.
 
@@ -320,6 +330,8 @@ def compare_evaluations(before, after, level=0.95, n_boot=2000, seed=0):
         result['greedy_diff'], result['greedy_interval'] = g.mean().item(), g_interval
     return result
 
+
+# -------- 5.7 `make_rl_base`: a cached artefact
 
 def cache_dir():
     """Where slow artefacts are cached: $AGENTRL_CACHE, else ~/.cache/agentrl

@@ -9,6 +9,8 @@ import math
 import numbers
 
 
+# -------- 2.2 The calculator: a parser, not `eval`
+
 # deeper parentheses / unary minus chains are rejected, never a RecursionError
 MAX_NESTING = 64
 
@@ -77,6 +79,8 @@ def calculate(expr):
     return value
 
 
+# -------- 2.3 Tool calls, observations and transient failures
+
 ERROR = 'error'
 
 
@@ -111,6 +115,8 @@ def run_tool(call, store):
         return str(store[arg])
     return ERROR
 
+
+# -------- 2.4 The task families
 
 FAMILIES = ('max', 'calc', 'lookup', 'chain', 'sum')
 
@@ -286,6 +292,8 @@ def demonstration(task):
     return text + f'<ans>{task.answer}</ans>'
 
 
+# -------- 2.5 Train, held-out and out-of-distribution splits
+
 SPLITS = ('train', 'heldout', 'all', 'ood')
 
 
@@ -347,6 +355,8 @@ def make_tasks(split='train', n_train=48, n_heldout=32, seed=0):
     train, heldout = round_robin(parts['train']), round_robin(parts['heldout'])
     return {'train': train, 'heldout': heldout, 'all': train + heldout}[split]
 
+
+# -------- 2.6 The tokenizer
 
 SPECIAL_TOKENS = ('<pad>', '<bos>', '<call>', '</call>', '<obs>', '</obs>',
                   '<ans>', '</ans>')
@@ -419,6 +429,8 @@ def build_tokenizer(tasks):
         chars |= set(split_tokens(demonstration(task)))
     return Tokenizer(chars)
 
+
+# -------- 2.7 The environment
 
 def check_int(name, value, low):
     """Raise TypeError unless `value` is an int (a bool is not), ValueError unless it

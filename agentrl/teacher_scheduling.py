@@ -17,6 +17,8 @@ import queue
 import weakref
 
 
+# -------- 1. A store of teachers
+
 def last_hidden(model, ids):
     """A TinyAgent's last-layer (normed) hidden states, without its head:
     ids [B, T] -> [B, T, d]."""
@@ -249,6 +251,8 @@ def sharded_load_worker(rank, world_size, init_path, root, name, out_path,
         dist.destroy_process_group()
 
 
+# -------- 2. Hidden states instead of logits
+
 class HiddenBuffer:
     """Central buffer of the teachers' last-layer hidden states, one entry per
     trajectory: [n_i, d] at the trajectory's policy positions, stored in `dtype`
@@ -322,6 +326,8 @@ def fill_hidden_buffer(store, trajs, teacher_ids, pad_id, buffer, micro_batch_si
                                teacher=names[teacher])
     return len(set(teacher_ids))
 
+
+# -------- 3. The divergence without the logits
 
 def _all_finite(x):
     """True if x holds no NaN or inf. A sum keeps both and needs no tensor the size
@@ -530,6 +536,8 @@ def fused_linear_kl(student_hidden, student_weight, teacher_hidden, teacher_weig
     return out.reshape(lead)
 
 
+# -------- 4. One head at a time, in teacher order
+
 def teacher_order(teacher_ids):
     """Mini-batch order by teacher index: teacher_ids [B] (ints) -> order [B], a
     permutation such that teacher_ids[order] is sorted, ties kept in their original
@@ -704,6 +712,8 @@ class HeadScheduler:
     def __exit__(self, *exc):
         self.close()
 
+
+# -------- 6. Chapter 15's step, through the scheduler
 
 def scheduled_distill_step(student, store, trajs, teacher_ids, pad_id, buffer, beta,
                            n_tokens=None, micro_batch_size=32, chunk_size=1024,

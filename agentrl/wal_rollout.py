@@ -24,6 +24,8 @@ import sys
 from dataclasses import replace
 
 
+# -------- 1. Why not just start interrupted requests again?
+
 def simulate_interruptions(lengths, lam, n_complete, rng, resume):
     """Rollouts interrupted by a Poisson process of rate `lam` per decoded token, until
     n_complete of them finish.
@@ -74,6 +76,8 @@ def discard_restart_theory(lengths, lam):
     mean = float((weights * L).sum())
     return dict(weights=weights, mean=mean, decoded=decoded, wasted=decoded - mean)
 
+
+# -------- 2. The log: LevelDB's record format
 
 # As LevelDB: a record never crosses a 32 KiB block boundary.
 WAL_BLOCK_SIZE = 32 * 1024
@@ -368,6 +372,8 @@ def recover_log(path):
     return replay_records(records, report)
 
 
+# -------- 3. Sampling that does not notice interruptions
+
 def counter_seed(seed, request, position):
     """A 63-bit generator seed that depends only on (seed, request, position)."""
     key = struct.pack('<qqq', seed, request, position)
@@ -459,6 +465,8 @@ def decode_step_ragged(model, cache, lengths, tokens):
     lengths += 1
     return model.head(model.norm(h))[:, 0]                      # [A, V]
 
+
+# -------- 4. The engine
 
 class SnapshotMismatch(ValueError):
     """A KV snapshot that is damaged or unreadable: it must not be used."""
@@ -1241,6 +1249,8 @@ def rollout_main(argv=None):
     print(json.dumps({k: result[k] for k in keys}), flush=True)
     sys.exit(0 if result['status'] == 'finished' else EXIT_PREEMPTED)
 
+
+# -------- 5. Crash it for real
 
 PREEMPTION_MODES = ('resume', 'discard')
 

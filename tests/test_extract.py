@@ -203,3 +203,23 @@ def test_init_follows_book_order(book):
     assert init.index("from .b import *") < init.index("from .a import *")
     assert "draft" not in init  # chapters not in _toc.yml are not extracted
     assert run_python(book, "import agentrl as arl; print(arl.a() + arl.b())").strip() == "3"
+
+
+def test_sections_of_the_chapter_head_the_module(book):
+    """Each `## ` section of a chapter heads its saved definitions with a comment (and a
+    comment leaves the module's source hash alone: no cached run goes stale)."""
+    book.chapter("01_geometry", [
+        md("t", "# 1. Geometry\n\n## Circles"),
+        code("c1", "#@save\nimport math\n\n\ndef area(r):\n    return math.pi * r ** 2"),
+        code("c2", "#@save\ndef perimeter(r):\n    return 2 * math.pi * r"),
+        md("s", "Some prose.\n\n## Squares\n\nMore prose, no heading: `# not one`"),
+        md("p", "Prose without a heading keeps the section."),
+        code("c3", "#@save\ndef square(a):\n    return a * a")])
+    assert extract.main(book.root) == 0
+    text = module(book, "geometry")
+    assert text.count("# -------- ") == 2
+    assert "# -------- Circles\n\ndef area" in text
+    assert "# -------- Squares\n\ndef square" in text
+    assert text.index("def perimeter") < text.index("# -------- Squares")
+    assert extract.section_comment("x" * 100).endswith("...")
+    assert len(extract.section_comment("x" * 100)) <= 88

@@ -35,6 +35,7 @@ class Piece:
     is_import: bool
     names: list[str] = field(default_factory=list)
     key: str = ""  # for imports: normalised text, to de-duplicate
+    section: str = ""  # the chapter's `## ` heading above the cell, if any
 
 
 def save_flag(source: str) -> str | None:
@@ -108,8 +109,22 @@ def notebook_title(nb) -> str:
     return ""
 
 
+def section_heading(cell) -> str | None:
+    """The last `## ` heading of a markdown cell (a section of the chapter), or None."""
+    headings = [line[3:].strip() for line in cell.source.splitlines() if line.startswith("## ")]
+    return headings[-1] if headings else None
+
+
+def section_comment(heading: str) -> str:
+    """A comment line that heads a section of a generated module, within 88 columns."""
+    text = f"# {'-' * 8} {heading}"
+    return text if len(text) <= 88 else text[:85].rstrip() + "..."
+
+
 def render_module(notebook: str, title: str, pieces: list[Piece]) -> str:
-    """The text of one generated chapter module."""
+    """The text of one generated chapter module: the saved definitions in chapter order, each
+    section of the chapter headed by a comment with its heading (comments do not change a
+    module's source hash, so they never make a cached run stale)."""
     imports, seen = [], set()
     for p in pieces:
         if p.is_import and p.key not in seen:
@@ -123,7 +138,14 @@ def render_module(notebook: str, title: str, pieces: list[Piece]) -> str:
     parts = [f'"""Code saved from {notebook}{about}.\n\nThis file is {MARK}.\n"""']
     if imports:
         parts.append("\n".join(p.text for p in imports))
-    blocks = [p.text for p in defs] + [format_all(public)]
+    blocks, section = [], ""
+    for p in defs:
+        text = p.text
+        if p.section and p.section != section:
+            section = p.section
+            text = f"{section_comment(section)}\n\n{text}"
+        blocks.append(text)
+    blocks.append(format_all(public))
     return "\n".join(parts) + "\n\n\n" + "\n\n\n".join(blocks) + "\n"
 
 
@@ -183,8 +205,10 @@ def generate(root: Path = ROOT) -> dict[Path, str]:
         if not slug.isidentifier() or slug == "__init__":
             raise ToolError(f"{rel(chapter, root)}: slug {slug!r} is not a module name")
         nb = nbtools.read_nb(path)
-        pieces = []
+        pieces, section = [], ""
         for index, cell in enumerate(nb.cells):
+            if cell.cell_type == "markdown":
+                section = section_heading(cell) or section
             flag = save_flag(cell.source) if cell.cell_type == "code" else None
             if flag is None:
                 continue
@@ -202,6 +226,7 @@ def generate(root: Path = ROOT) -> dict[Path, str]:
                             "chapter extends a saved name (a subclass, a hook, a part) and never "
                             "rebinds it")
                     owners.setdefault(name, notebook)
+                piece.section = section
                 pieces.append(piece)
         if not pieces:
             continue  # a chapter with no saved cells produces no module

@@ -217,22 +217,31 @@ def _without(history, *keys):
     return [{k: v for k, v in r.items() if k not in keys} for r in history]
 
 
-@pytest.mark.parametrize('low, high', [(-1.0, 2.0), (0.0, 1.0)])
-def test_curriculum_is_the_one_loop_with_a_sampler_bit_for_bit(monkeypatch, tiny_agent,
-                                                               low, high):
-    """Chapter 14's train_curriculum (train_rl with curriculum_sampler) trains exactly
-    as the frozen copy of its old loop and records the same steps."""
+def _old_and_new(monkeypatch, tmp_path, tiny_agent, old_loop, new_loop, *args):
+    """Train copies of the tiny agent with the frozen loop and the one that replaced
+    it (same arguments, informative rewards, a cache of their own) -> (old history, new
+    history), after checking that both trained the same weights bit for bit."""
     tasks, tok, base = tiny_agent
     informative_rewards(monkeypatch)
-    cfg = CONFIGS['chapter 7']
+    monkeypatch.setenv('AGENTRL_CACHE', str(tmp_path))
     runs = []
-    for loop in (train_curriculum_v1, arl.train_curriculum):
+    for loop in (old_loop, new_loop):
         model = copy.deepcopy(base)
-        history = loop(model, tasks, tok, cfg, 4, low, high, 1, tasks[:3], 2, 2,
-                       progress=False)
-        runs.append((model, history))
+        runs.append((model, loop(model, tasks, tok, CONFIGS['chapter 7'], *args,
+                                 tasks[:3], 2, 2, progress=False)))
     (old, old_history), (new, new_history) = runs
     assert _same_weights(old, new) and not _same_weights(new, base)
+    return old_history, new_history
+
+
+@pytest.mark.parametrize('low, high', [(-1.0, 2.0), (0.0, 1.0)])
+def test_curriculum_is_the_one_loop_with_a_sampler_bit_for_bit(monkeypatch, tmp_path,
+                                                               tiny_agent, low, high):
+    """Chapter 14's train_curriculum (train_rl with curriculum_sampler) trains exactly
+    as the frozen copy of its old loop and records the same steps."""
+    old_history, new_history = _old_and_new(monkeypatch, tmp_path, tiny_agent,
+                                            train_curriculum_v1, arl.train_curriculum,
+                                            4, low, high, 1)
     for r in old_history:
         if 'n_episodes' in r:
             r['sampled'] = r.pop('n_episodes')
@@ -240,20 +249,13 @@ def test_curriculum_is_the_one_loop_with_a_sampler_bit_for_bit(monkeypatch, tiny
 
 
 @pytest.mark.parametrize('fmt, cap', [('mxfp4', None), ('nvfp4', 2.0)])
-def test_quantized_rollout_is_the_one_loop_with_parts_bit_for_bit(monkeypatch,
+def test_quantized_rollout_is_the_one_loop_with_parts_bit_for_bit(monkeypatch, tmp_path,
                                                                   tiny_agent, fmt, cap):
     """Chapter 16's train_rl_quantized_rollout (train_rl with quantized_sampler and
     RecomputedOldLogProbs) trains exactly as the frozen copy of its old loop."""
-    tasks, tok, base = tiny_agent
-    informative_rewards(monkeypatch)
-    cfg = CONFIGS['chapter 7']
-    runs = []
-    for loop in (train_rl_quantized_rollout_v1, arl.train_rl_quantized_rollout):
-        model = copy.deepcopy(base)
-        runs.append((model, loop(model, tasks, tok, cfg, 3, fmt, cap, tasks[:3], 2, 2,
-                                 progress=False)))
-    (old, old_history), (new, new_history) = runs
-    assert _same_weights(old, new) and not _same_weights(new, base)
+    old_history, new_history = _old_and_new(
+        monkeypatch, tmp_path, tiny_agent, train_rl_quantized_rollout_v1,
+        arl.train_rl_quantized_rollout, 3, fmt, cap)
     keys = ('mismatch_abs_log', 'mismatch_share', 'loss', 'grad_norm', 'kept',
             'sampled', 'reward', 'lr', 'heldout')
     for a, b in zip(old_history, new_history, strict=True):

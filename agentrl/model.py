@@ -56,10 +56,13 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, mask=None, cache=None, layer=0):
         """x [B, T, D] -> [B, T, D]. With a cache, x holds the T newest positions of
-        each sequence."""
+        each sequence (T = 1 when each row has its own length, cache.lengths)."""
         B, T, D = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)                 # 3 x [B, H, T, hd]
+        if cache is not None and cache.lengths is not None:
+            out = _ragged_attention(q, k, v, cache, layer)
+            return self.proj(out.transpose(1, 2).reshape(B, T, D))
         if cache is not None:
             start = cache.length
             cache.k[layer][:, :, start:start + T] = k
@@ -78,6 +81,21 @@ class SelfAttention(nn.Module):
             allowed = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
+
+
+def _ragged_attention(q, k, v, cache, layer):
+    """One new position per row, row b at its own position cache.lengths[b]: its key
+    and value go to slot lengths[b] (slot = position) and it attends to slots
+    0..lengths[b]. q, k, v [B, H, 1, hd] -> [B, H, 1, hd]."""
+    lengths = cache.lengths                                              # [B]
+    rows = torch.arange(q.shape[0], device=q.device)
+    cache.k[layer][rows, :, lengths] = k[:, :, 0]
+    cache.v[layer][rows, :, lengths] = v[:, :, 0]
+    S = int(lengths.max()) + 1
+    allowed = torch.arange(S, device=q.device)[None, :] <= lengths[:, None]  # [B, S]
+    return F.scaled_dot_product_attention(
+        q, cache.k[layer][:, :, :S], cache.v[layer][:, :, :S],
+        attn_mask=allowed[:, None, None, :])
 
 
 # -------- 3.3 Blocks and TinyAgent
@@ -146,17 +164,30 @@ class TinyAgent(nn.Module):
     def forward(self, ids, position_ids=None, mask=None, cache=None,
                 return_hidden=False):
         """ids [B, T] -> logits [B, T, V]; with return_hidden also the normed hidden
-        states [B, T, D].
+        states [B, T, D]. The arguments are hidden()'s; the logits are head(hidden)."""
+        hidden = self.hidden(ids, position_ids, mask, cache)               # [B, T, D]
+        logits = self.head(hidden)                                         # [B, T, V]
+        return (logits, hidden) if return_hidden else logits
+
+    def hidden(self, ids, position_ids=None, mask=None, cache=None):
+        """The normed last-layer hidden states, without the head: ids [B, T] ->
+        [B, T, D] (what a loss that never materialises the logits needs).
 
         position_ids [B, T] or [T] (default: consecutive, continuing after the cache);
         mask as in nn.MultiheadAttention (default: causal); cache: a KVCache that is
-        read and then extended by T.
+        read and then extended by T (by one position per row, T = 1, once its
+        per-row `lengths` is set).
         """
         if ids.dim() != 2 or ids.dtype not in (torch.long, torch.int32, torch.int64):
             raise ValueError(f'ids must be an integer tensor [B, T], got {ids.dtype} '
                              f'of shape {tuple(ids.shape)}')
         B, T = ids.shape
-        start = cache.length if cache is not None else 0
+        ragged = cache is not None and cache.lengths is not None
+        if ragged and (T != 1 or mask is not None):
+            raise ValueError(f'a cache with per-row lengths takes one token per row '
+                             f'and no mask, got T={T}')
+        start = (int(cache.lengths.max()) if ragged else cache.length
+                 if cache is not None else 0)
         if start + T > self.max_len:
             raise ValueError(f'sequence of {start + T} positions exceeds '
                              f'max_len={self.max_len}')
@@ -164,21 +195,26 @@ class TinyAgent(nn.Module):
             raise ValueError(f'sequence of {start + T} positions exceeds the cache '
                              f'(max_len={cache.max_len})')
         if position_ids is None:
-            position_ids = torch.arange(start, start + T, device=ids.device)
+            position_ids = (cache.lengths[:, None] if ragged
+                            else torch.arange(start, start + T, device=ids.device))
         h = self.tok_emb(ids) + self.pos_emb(position_ids)                 # [B, T, D]
         hidden = self.norm(self.blocks(h, mask=mask, cache=cache))        # [B, T, D]
-        if cache is not None:
+        if ragged:
+            cache.lengths += 1
+        elif cache is not None:
             cache.length += T
-        logits = self.head(hidden)                                         # [B, T, V]
-        return (logits, hidden) if return_hidden else logits
+        return hidden
 
 
 # -------- 3.5 The KV cache
 
 class KVCache:
-    """Keys and values of every layer for a batch of sequences of one common length.
+    """Keys and values of every layer for a batch of sequences.
 
-    k[i], v[i]: [B, H, max_len, head_dim]; positions [0, length) are filled.
+    k[i], v[i]: [B, H, max_len, head_dim]. What is filled: positions [0, length) of
+    every row (one common length: lockstep decoding), or, once `lengths` [B] is set,
+    positions [0, lengths[b]) of row b at slots 0..lengths[b]-1 (a length per row:
+    each step adds one token per row at its own position; chapter 18).
     """
     def __init__(self, n_layers, batch, n_heads, head_dim, max_len, dtype=torch.float32,
                  device='cpu'):
@@ -188,11 +224,14 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device)
                   for _ in range(n_layers)]
         self.length, self.max_len = 0, max_len
+        self.lengths = None                       # LongTensor [B]: per-row lengths
 
     def keep(self, rows):
         """Drop finished sequences: keep only `rows` (LongTensor [B']) of the batch."""
         self.k = [k[rows] for k in self.k]
         self.v = [v[rows] for v in self.v]
+        if self.lengths is not None:
+            self.lengths = self.lengths[rows]
 
 
 # -------- 3.6 Log-probabilities, stably

@@ -417,7 +417,7 @@ def make_rl_base(tok, recipe=None, verbose=True):
     tmp.replace(path)           # atomic: a crash never leaves a half-written cache
     if verbose:
         print(f'built RL base in {time.perf_counter() - start:.1f} s '
-              f'(final SFT loss {losses[-1]:.3f}); cached at {path}')
+              f'(final SFT loss {losses[-1]:.3f}); cached at\n    {path}')
     return model
 
 

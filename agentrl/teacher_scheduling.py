@@ -19,13 +19,6 @@ import weakref
 
 # -------- 1. A store of teachers
 
-def last_hidden(model, ids):
-    """A TinyAgent's last-layer (normed) hidden states, without its head:
-    ids [B, T] -> [B, T, d]."""
-    positions = torch.arange(ids.shape[1], device=ids.device)
-    return model.norm(model.blocks(model.tok_emb(ids) + model.pos_emb(positions)))
-
-
 class TeacherStore:
     """Teachers on disk as safetensors files, one folder each: <root>/<name>/
     trunk.safetensors (every tensor but the prediction head, with the model's
@@ -758,7 +751,7 @@ def scheduled_distill_step(student, store, trajs, teacher_ids, pad_id, buffer, b
                          for k in range(0, len(rows), micro_batch_size)]:
                 batch = arl.collate([trajs[i] for i in part], pad_id)
                 mask = batch['action_mask'].bool()                  # [b, w-1]
-                hidden = last_hidden(student, batch['ids'])[:, :-1][mask]   # [n, d]
+                hidden = student.hidden(batch['ids'])[:, :-1][mask]   # [n, d]
                 teacher_hidden = buffer.get(part, dtype, teacher=names[teacher])
                 if len(teacher_hidden) != len(hidden):
                     raise ValueError(f'the buffer holds {len(teacher_hidden)} hidden '
@@ -813,7 +806,6 @@ def scheduled_gradients(store, buffer_dtype=None, prefetch=True, chunk_size=1024
 
 
 __all__ = [
-    'last_hidden',
     'TeacherStore',
     'load_head_sharded',
     'SAFETENSORS_DTYPES',

@@ -9,11 +9,9 @@ import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from crc32c import crc32c
-import hashlib
-import math
 import torch
-import torch.nn.functional as F
 import copy
+import math
 import numbers
 import signal
 import time
@@ -374,49 +372,16 @@ def recover_log(path):
 
 # -------- 3. Sampling that does not notice interruptions
 
-def counter_seed(seed, request, position):
-    """A 63-bit generator seed that depends only on (seed, request, position)."""
-    key = struct.pack('<qqq', seed, request, position)
-    digest = hashlib.blake2b(key, digest_size=8).digest()
-    return int.from_bytes(digest, 'little') >> 1
-
-
-def gumbel_sample(logits, seeds, temperature=1.0):
-    """Sample one token per row by Gumbel-max with noise drawn from the row's own
-    counter-based seed.
-
-    logits [R, V]; seeds: R ints (counter_seed) -> tokens [R], log-probs [R] (float32,
-    of the tokens under softmax(logits / temperature)) and margins [R] (best minus
-    second-best noisy score, float64: how far the logits must move before the token
-    changes).
-    """
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f'temperature must be finite and > 0, got {temperature}')
-    if len(seeds) != logits.shape[0]:
-        raise ValueError(f'got {len(seeds)} seeds for {logits.shape[0]} rows of logits')
-    R, V = logits.shape
-    if R == 0:
-        return (torch.zeros(0, dtype=torch.long), torch.zeros(0),
-                torch.zeros(0, dtype=torch.float64))
-    u = torch.stack([torch.rand(V, generator=torch.Generator().manual_seed(s),
-                                dtype=torch.float64)
-                     for s in seeds])                              # [R, V] uniforms
-    scaled = logits.double().cpu() / temperature                        # [R, V]
-    top = (scaled - torch.log(-torch.log(u))).topk(2, dim=-1)           # Gumbel-max
-    tokens = top.indices[:, 0]
-    logp = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0].float()
-    return tokens, logp, top.values[:, 0] - top.values[:, 1]
-
-
 @torch.no_grad()
 def prefill_ragged(model, seqs, capacity):
     """Prefill token lists of different lengths in one batched forward
     -> (cache, lengths [A]).
 
-    Row i of the cache (a chapter-3 KVCache with `capacity` slots) holds the keys and
-    values of seqs[i] at slots 0..len-1, so slot = position. Rows are right-padded:
-    causal attention keeps every real position from seeing the padding, and the
-    padding's slots lie beyond the row's length, where decoding overwrites them.
+    Row i of the cache (a chapter-3 KVCache with `capacity` slots and per-row lengths)
+    holds the keys and values of seqs[i] at slots 0..len-1, so slot = position. Rows
+    are right-padded: causal attention keeps every real position from seeing the
+    padding, and the padding's slots lie beyond the row's length, where decoding
+    overwrites them. lengths is the cache's own per-row lengths tensor.
     """
     if not seqs or min(len(s) for s in seqs) < 1:
         raise ValueError('seqs must be a non-empty list of non-empty token lists')
@@ -430,40 +395,23 @@ def prefill_ragged(model, seqs, capacity):
         ids[i, :len(s)] = torch.tensor(s)
     cache = model.new_cache(len(seqs), capacity)
     model(ids.to(device), cache=cache)
-    return cache, torch.tensor([len(s) for s in seqs], device=device)
+    cache.lengths = torch.tensor([len(s) for s in seqs], device=device)
+    return cache, cache.lengths
 
 
 @torch.no_grad()
 def decode_step_ragged(model, cache, lengths, tokens):
     """One decoding step in which every row sits at its own position -> logits [A, V].
 
-    tokens [A] are the newest tokens, at positions lengths [A]; their keys/values go to
-    slot lengths[i] of row i and each row attends to its slots 0..lengths[i]. lengths is
-    advanced in place. The arithmetic is TinyAgent.forward's (same modules, same order),
-    one position per row.
+    tokens [A] are the newest tokens, at positions lengths [A] (which become the
+    cache's per-row lengths and are advanced in place): the model's own forward
+    through chapter 3's per-row cache path, one position per row.
     """
-    A, capacity = tokens.shape[0], cache.k[0].shape[2]
-    if int(lengths.max()) >= capacity:
+    if int(lengths.max()) >= cache.max_len:
         raise ValueError(f'position {int(lengths.max())} is past the cache capacity '
-                         f'{capacity}')
-    rows = torch.arange(A, device=tokens.device)
-    S = int(lengths.max()) + 1
-    # [A, S]: row i sees its slots 0..lengths[i]
-    allowed = torch.arange(S, device=tokens.device)[None, :] <= lengths[:, None]
-    h = (model.tok_emb(tokens) + model.pos_emb(lengths))[:, None]        # [A, 1, D]
-    for i, block in enumerate(model.blocks.layers):
-        attn = block.self_attn
-        qkv = attn.qkv(block.norm1(h)).view(A, 1, 3, attn.num_heads, attn.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)                    # 3 x [A, H, 1, hd]
-        cache.k[i][rows, :, lengths] = k[:, :, 0]               # slot = position
-        cache.v[i][rows, :, lengths] = v[:, :, 0]
-        out = F.scaled_dot_product_attention(
-            q, cache.k[i][:, :, :S], cache.v[i][:, :, :S],
-            attn_mask=allowed[:, None, None, :])                # [A, H, 1, hd]
-        h = h + attn.proj(out.transpose(1, 2).reshape(A, 1, -1))
-        h = h + block.mlp(block.norm2(h))
-    lengths += 1
-    return model.head(model.norm(h))[:, 0]                      # [A, V]
+                         f'{cache.max_len}')
+    cache.lengths = lengths
+    return model(tokens[:, None], cache=cache)[:, 0]                      # [A, V]
 
 
 # -------- 4. The engine
@@ -641,37 +589,6 @@ def logged_job(meta):
     fields = dict(meta)
     weights_hash = fields.pop('weights_hash', None)
     return RolloutSpec(**fields), weights_hash
-
-
-class _Request:
-    """One episode under decoding: environment, tokens so far, forced tokens to come."""
-    def __init__(self, rid, task_index, task, env, tok):
-        self.rid, self.task_index, self.task, self.env = rid, task_index, task, env
-        # tokens to force: the prompt, then each tool observation
-        self.pending = deque(tok.encode(env.reset(task)))
-        self.ids, self.sampled, self.logp = [], [], []
-        self.action, self.reward = '', 0.0
-
-    def advance(self, token, sampled, logp, tok, max_tokens, stop_ids):
-        """Append one token (a forced one must be the next pending token); the
-        environment acts when the agent hands over its turn, exactly as in chapter 4's
-        sample_groups."""
-        if not sampled:
-            expected = self.pending.popleft() if self.pending else None
-            if token != expected:
-                raise ValueError(f'request {self.rid}: forced token {token} where the '
-                                 f'environment gives {expected}')
-        self.ids.append(token)
-        self.sampled.append(bool(sampled))
-        self.logp.append(float(logp))
-        if sampled:
-            self.action += tok.itos[token]
-            if token in stop_ids or len(self.ids) >= max_tokens:
-                observation, done, self.reward = self.env.step(self.action)
-                self.action = ''
-                self.pending.extend(tok.encode(observation))
-        elif not self.pending and not self.env.done and len(self.ids) >= max_tokens:
-            self.env.step(self.action)      # the limit was reached on a forced token
 
 
 # A weights file is a TinyAgent's state dict in safetensors, with its constructor
@@ -935,8 +852,8 @@ class _RolloutJob:
         spec, self.active, self.restored = self.spec, [], 0
         for rid in range(spec.n_tasks * spec.group_size):
             task_index = rid // spec.group_size
-            req = _Request(rid, task_index, self.tasks[task_index], arl.make_env(spec),
-                           self.tok)
+            req = arl.Episode(rid, task_index, self.tasks[task_index],
+                              arl.make_env(spec), self.tok)
             logged = self.state.requests.get(rid)
             if logged is None:
                 self.log(REC_START, START_PAYLOAD.pack(rid, task_index))
@@ -961,13 +878,13 @@ class _RolloutJob:
     def force_pending(self, req):
         """Log and take the request's forced tokens: they need no model."""
         while req.pending and not req.env.done:
-            self.log(REC_FORCED, FORCED_PAYLOAD.pack(req.rid, len(req.ids),
+            self.log(REC_FORCED, FORCED_PAYLOAD.pack(req.request, len(req.ids),
                                                      req.pending[0]))
             req.advance(req.pending[0], False, 0.0, *self.step_args)
 
     def log_finish(self, req):
         outcome = OUTCOME_CODES.index(req.env.outcome)
-        self.log(REC_FINISH, FINISH_PAYLOAD.pack(req.rid, len(req.ids), req.reward,
+        self.log(REC_FINISH, FINISH_PAYLOAD.pack(req.request, len(req.ids), req.reward,
                                                  outcome, req.env.turns))
 
     def restore_kv_cache(self):
@@ -996,7 +913,7 @@ class _RolloutJob:
             return
         self.snapshot = self._snapshot_mismatch(claims, order, lengths)
         if self.snapshot is None:
-            by_id = {r.rid: r for r in self.active}
+            by_id = {r.request: r for r in self.active}
             self.snapshot, self.mode = 'loaded', 'snapshot'
             self.cache, self.lengths = cache, lengths
             self.active = [by_id[rid] for rid in order]
@@ -1012,7 +929,7 @@ class _RolloutJob:
             return 'another job'
         if claims['log_offset'] != self.state.report['valid_end']:
             return 'stale: the log does not end where it was taken'
-        by_id = {r.rid: r for r in self.active}
+        by_id = {r.request: r for r in self.active}
         if sorted(order) != sorted(by_id) or any(
                 int(n) != len(by_id[rid].ids) - 1
                 for rid, n in zip(order, lengths.tolist())):
@@ -1040,7 +957,7 @@ class _RolloutJob:
         if self.writer is None:
             return
         end = self.writer.commit()
-        self.unacked.append((end, ' '.join(f'{r.rid}:{len(r.ids)}' for r in reqs)))
+        self.unacked.append((end, ' '.join(f'{r.request}:{len(r.ids)}' for r in reqs)))
         self.ack_durable()
 
     def ack_durable(self):
@@ -1073,18 +990,18 @@ class _RolloutJob:
         # [A, V]: the next-token logits of every unfinished request
         logits = decode_step_ragged(self.model, self.cache, self.lengths, newest)
         rows = [i for i, r in enumerate(active) if not r.pending]
-        seeds = [counter_seed(spec.seed, active[i].rid, len(active[i].ids))
-                 for i in rows]
-        tokens, logps, margins = gumbel_sample(logits[rows], seeds, spec.temperature)
+        tokens, logps, margins = arl.counter_draw(
+            logits[rows], spec.seed, [active[i].request for i in rows],
+            [len(active[i].ids) for i in rows], spec.temperature)
         drawn = dict(zip(rows, zip(tokens.tolist(), logps.tolist())))
         for i, req in enumerate(active):
             if i in drawn:
                 token, logp = drawn[i]
-                self.log(REC_TOKEN, TOKEN_PAYLOAD.pack(req.rid, len(req.ids), token,
+                self.log(REC_TOKEN, TOKEN_PAYLOAD.pack(req.request, len(req.ids), token,
                                                        logp))
                 req.advance(token, True, logp, *self.step_args)
             else:
-                self.log(REC_FORCED, FORCED_PAYLOAD.pack(req.rid, len(req.ids),
+                self.log(REC_FORCED, FORCED_PAYLOAD.pack(req.request, len(req.ids),
                                                          req.pending[0]))
                 req.advance(req.pending[0], False, 0.0, *self.step_args)
             if req.env.done:
@@ -1111,7 +1028,8 @@ class _RolloutJob:
         self.writer.close()
         self.ack_durable()
         save_kv_snapshot(self.snap_path, self.cache, self.lengths,
-                         [r.rid for r in self.active], self.writer.durable, self.job)
+                         [r.request for r in self.active], self.writer.durable,
+                         self.job)
         self.dir_syncs += 1
 
     def finish(self):
@@ -1391,8 +1309,6 @@ __all__ = [
     'WalState',
     'replay_records',
     'recover_log',
-    'counter_seed',
-    'gumbel_sample',
     'prefill_ragged',
     'decode_step_ragged',
     'SnapshotMismatch',

@@ -259,3 +259,32 @@ def test_meter_errors():
 def test_meter_cuda_known_size():
     peak, out = arl.measure_peak_memory(lambda: torch.empty(1000, 1000, device="cuda"), device="cuda")
     assert abs(peak - out.nbytes) <= 2 * 1024 * 1024      # allocator rounds blocks up
+
+
+def test_hidden_is_forward_without_the_head():
+    torch.manual_seed(0)
+    model = arl.TinyAgent(30, d_model=32, n_layers=2, n_heads=2, max_len=40).eval()
+    ids = torch.randint(0, 30, (3, 17))
+    logits, hidden = model(ids, return_hidden=True)
+    assert torch.equal(model.hidden(ids), hidden)
+    assert torch.equal(model.head(hidden), logits)
+
+
+def test_per_row_cache_is_the_frozen_ragged_step_bit_for_bit():
+    """Chapter 3's per-row cache path computes exactly what chapter 18's own ragged
+    decoding step (frozen copy) computed before the two were merged."""
+    from frozen.ragged_v1 import decode_step_ragged_v1
+    torch.manual_seed(0)
+    model = arl.TinyAgent(30, d_model=32, n_layers=2, n_heads=2, max_len=40).eval()
+    seqs = [torch.randint(0, 30, (n,)).tolist() for n in (5, 9, 13)]
+    cache_a, len_a = arl.prefill_ragged(model, seqs, 40)
+    cache_b, len_b = arl.prefill_ragged(model, seqs, 40)
+    len_b = len_b.clone()
+    tokens = torch.tensor([1, 2, 3])
+    for _ in range(6):
+        a = arl.decode_step_ragged(model, cache_a, len_a, tokens)
+        b = decode_step_ragged_v1(model, cache_b, len_b, tokens)
+        assert torch.equal(a, b) and torch.equal(len_a, len_b)
+        tokens = a.argmax(-1)
+    with pytest.raises(ValueError, match='one token per row'):
+        model(torch.zeros(3, 2, dtype=torch.long), cache=cache_a)

@@ -183,3 +183,95 @@ def test_collate_of_nothing_is_an_empty_batch():
     assert batch['sample_logp'].shape == (0, 0)
     assert all(batch[k].shape == (0,) for k in ('reward', 'length', 'group'))
     assert batch['ids'].dtype == batch['length'].dtype == batch['group'].dtype == torch.long
+
+
+# ----------------------------------------------------------------------------------------------------
+# The counter-based draw
+# ----------------------------------------------------------------------------------------------------
+
+def test_counter_uniforms_are_a_pure_function_of_their_counters():
+    u = arl.counter_uniforms(7, [0, 1, 2, 1], [5, 5, 5, 6], 40)
+    assert u.shape == (4, 40) and u.dtype == torch.float64
+    assert ((u > 0) & (u < 1)).all()
+    again = arl.counter_uniforms(7, [1], [5], 40)                        # row 1 alone
+    assert torch.equal(again[0], u[1])
+    # every one of (seed, request, position) changes the noise
+    assert not torch.equal(u[1], u[3]) and not torch.equal(u[0], u[1])
+    assert not torch.equal(arl.counter_uniforms(8, [1], [5], 40)[0], u[1])
+
+
+def test_counter_uniforms_look_uniform():
+    u = arl.counter_uniforms(0, list(range(2000)), [3] * 2000, 50).flatten()      # 100k
+    counts = torch.histc(u, bins=20, min=0, max=1)
+    expected = len(u) / 20
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 43.8                                  # chi-square, 19 df, p = 0.001
+    # neighbouring counters are not correlated
+    a = arl.counter_uniforms(0, list(range(5000)), [0] * 5000, 2)
+    corr = torch.corrcoef(torch.stack([a[:-1, 0], a[1:, 0]]))[0, 1]
+    assert abs(float(corr)) < 4 / 5000 ** 0.5
+
+
+def test_counter_draw_follows_softmax_and_ignores_the_batch():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]], dtype=torch.float64)
+    n = 4000
+    req, pos = list(range(n)), [3] * n
+    tokens, logp, margins = arl.counter_draw(logits.expand(n, 5), 0, req, pos, temperature=0.7)
+    again, _, _ = arl.counter_draw(logits.expand(n, 5).flip(0), 0, req[::-1], pos, temperature=0.7)
+    assert torch.equal(tokens, again.flip(0))                         # order and batch do not matter
+    probs = torch.softmax(logits[0] / 0.7, -1)
+    freq = torch.bincount(tokens, minlength=5).double() / n
+    assert (freq - probs).abs().max() < 0.03                          # ~4 standard errors
+    assert torch.allclose(logp.double(), probs.log()[tokens], atol=1e-6)
+    assert (margins > 0).all()
+
+
+def test_counter_draw_rejects_bad_input():
+    logits = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match='temperature'):
+        arl.counter_draw(logits, 0, [0, 1], [0, 0], 0.0)
+    with pytest.raises(ValueError, match='requests'):
+        arl.counter_draw(logits, 0, [0], [0, 0])
+    with pytest.raises(ValueError, match='seed'):
+        arl.counter_draw(logits, -1, [0, 1], [0, 0])
+    with pytest.raises(ValueError, match='>= 0'):
+        arl.counter_draw(logits, 0, [0, -1], [0, 0])
+    with pytest.raises(ValueError, match=r'\[R, V\]'):
+        arl.counter_draw(torch.zeros(5), 0, [0], [0])
+    empty = arl.counter_draw(torch.zeros(0, 5), 0, [], [])
+    assert [len(x) for x in empty] == [0, 0, 0]
+
+
+def test_sample_groups_takes_a_seed_or_a_generator():
+    model, g = tiny_model(), torch.Generator().manual_seed(0)
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=torch.Generator().manual_seed(0)))
+    by_seed = arl.sample_groups(model, lambda: arl.make_env(CFG), TASKS, TOK, CFG, seed=seed)
+    assert same(by_seed, arl.sample_groups(model, lambda: arl.make_env(CFG), TASKS, TOK, CFG, g))
+    with pytest.raises(TypeError, match='exactly one'):
+        arl.sample_groups(model, lambda: arl.make_env(CFG), TASKS, TOK, CFG)
+    with pytest.raises(TypeError, match='exactly one'):
+        arl.sample_groups(model, lambda: arl.make_env(CFG), TASKS, TOK, CFG, g, seed=1)
+
+
+def test_episodes_do_not_depend_on_the_rest_of_the_batch():
+    """Each token is a function of (seed, request, position): the first tasks' episodes
+    are the same whether or not later tasks share the batch (float64: rounding far below
+    every margin)."""
+    model = tiny_model().double()
+    cfg = dataclasses.replace(CFG, group_size=2)
+    env_fn = lambda: arl.make_env(cfg)
+    full = arl.sample_groups(model, env_fn, TASKS, TOK, cfg, seed=11)
+    part = arl.sample_groups(model, env_fn, TASKS[:2], TOK, cfg, seed=11)
+    assert all(torch.equal(a.ids, b.ids) and torch.equal(a.action_mask, b.action_mask)
+               for a, b in zip(part, full))
+
+
+def test_episode_advance_refuses_a_wrong_forced_token():
+    cfg = CFG
+    e = arl.Episode(0, 0, TASKS[0], arl.make_env(cfg), TOK)
+    first = e.pending[0]
+    with pytest.raises(ValueError, match='forced token'):
+        e.advance(first + 1, False, 0.0, TOK, cfg.max_tokens, set())
+    e2 = arl.Episode(0, 0, TASKS[0], arl.make_env(cfg), TOK)
+    e2.advance(first, False, 0.0, TOK, cfg.max_tokens, set())
+    assert e2.ids == [first] and e2.sampled == [] and e2.logp == []

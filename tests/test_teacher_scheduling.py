@@ -68,7 +68,7 @@ def test_store_bfloat16_head_halves_the_bytes_and_converts_on_load(tmp_path):
     assert store.bytes_read - before == 5 * D * 2
     # the trunk is stored in the model's own dtype whatever the head's
     ids = _ids(2, 6)
-    assert torch.equal(store.load_trunk('half')(ids), arl.last_hidden(model, ids))
+    assert torch.equal(store.load_trunk('half')(ids), model.hidden(ids))
 
 
 def test_load_trunk_is_the_model_without_its_head(tmp_path):
@@ -84,8 +84,8 @@ def test_load_trunk_is_the_model_without_its_head(tmp_path):
     hidden = trunk(ids)
     assert hidden.shape == (3, 9, D)
     with torch.no_grad():
-        assert torch.equal(hidden, arl.last_hidden(model, ids))
-        assert torch.equal(arl.last_hidden(model, ids), model(ids, return_hidden=True)[1])
+        assert torch.equal(hidden, model.hidden(ids))
+        assert torch.equal(model.hidden(ids), model(ids, return_hidden=True)[1])
         assert torch.equal(hidden @ store.load_head('t').T, model(ids))
 
 
@@ -98,7 +98,7 @@ def test_load_trunk_keeps_float64(tmp_path):
     assert store.load_head('t').dtype == torch.float64
     ids = _ids(2, 7, seed=2)
     with torch.no_grad():
-        assert torch.equal(trunk(ids), arl.last_hidden(model, ids))
+        assert torch.equal(trunk(ids), model.hidden(ids))
         assert torch.equal(trunk(ids) @ store.load_head('t').T, model(ids))
 
 
@@ -582,7 +582,7 @@ def test_fill_hidden_buffer_stores_each_trunks_hidden_states_at_policy_positions
     with torch.no_grad():
         for i, t in enumerate(trajs):
             teacher = teachers[t.info['family']]
-            ref = arl.last_hidden(teacher, t.ids[None])[0, :-1][t.action_mask.bool()]
+            ref = teacher.hidden(t.ids[None])[0, :-1][t.action_mask.bool()]
             got = buf.get([i])
             assert got.shape == (int(t.action_mask.sum()), teacher.tok_emb.embedding_dim)
             assert torch.allclose(got, ref, atol=1e-12, rtol=0)

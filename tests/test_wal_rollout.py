@@ -210,26 +210,23 @@ def test_replay_keeps_gap_free_prefixes():
 # Sampling and decoding
 # ----------------------------------------------------------------------------------------------------
 
-def test_counter_seed_depends_on_all_three():
-    seeds = {arl.counter_seed(s, r, p) for s in range(3) for r in range(10) for p in range(50)}
-    assert len(seeds) == 1500 and all(0 <= s < 2 ** 63 for s in seeds)
-
-
-def test_gumbel_sample_is_invariant_and_follows_softmax():
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]], dtype=torch.float64)
-    seeds = [arl.counter_seed(0, r, 3) for r in range(4000)]
-    tokens, logp, margins = arl.gumbel_sample(logits.expand(4000, 5), seeds, temperature=0.7)
-    again, _, _ = arl.gumbel_sample(logits.expand(4000, 5).flip(0), seeds[::-1], temperature=0.7)
-    assert torch.equal(tokens, again.flip(0))                         # order and batch do not matter
-    probs = torch.softmax(logits[0] / 0.7, -1)
-    freq = torch.bincount(tokens, minlength=5).double() / 4000
-    assert (freq - probs).abs().max() < 0.03                          # ~4 standard errors
-    assert torch.allclose(logp.double(), probs.log()[tokens].float().double(), atol=1e-6)
-    assert (margins > 0).all()
-    with pytest.raises(ValueError, match='temperature'):
-        arl.gumbel_sample(logits, seeds[:1], 0.0)
-    with pytest.raises(ValueError, match='seeds'):
-        arl.gumbel_sample(logits, seeds[:2])
+def test_engine_samples_what_sample_groups_samples(tmp_path):
+    """One sampler, one token step: chapter 18's engine and chapter 4's sample_groups give
+    the same episodes for the same seed, model and tasks (request = index in the batch)."""
+    job = spec(step_sleep_s=0.0, seed=5, temperature=0.8)
+    arl.run_rollout(tmp_path / 'job', job)
+    engine = arl.read_trajectories(tmp_path / 'job')
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+    model = arl.build_rollout_model(job, tok)
+    cfg = arl.SamplingConfig(group_size=job.group_size, temperature=job.temperature,
+                             max_turns=job.max_turns, max_tokens=job.max_tokens)
+    tasks = arl.make_tasks(job.split)[:job.n_tasks]
+    lockstep = arl.sample_groups(model, lambda: arl.make_env(cfg), tasks, tok, cfg, seed=job.seed)
+    assert len(engine) == len(lockstep) == job.n_tasks * job.group_size
+    for a, b in zip(engine, lockstep):
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.action_mask, b.action_mask)
+        assert torch.allclose(a.sample_logp, b.sample_logp, atol=1e-6)
+        assert (a.reward, a.info['outcome']) == (b.reward, b.info['outcome'])
 
 
 def test_ragged_decoding_matches_the_full_forward():

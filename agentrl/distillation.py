@@ -8,7 +8,7 @@ import torch
 import agentrl as arl
 import dataclasses
 from dataclasses import dataclass
-from tqdm.auto import tqdm
+from typing import ClassVar
 
 
 # -------- The generalised JSD and its two endpoints
@@ -183,26 +183,28 @@ def token_kl_estimators(student_logits, teacher_logits, n_samples, generator):
 # -------- The distillation loop
 
 @dataclass
-class OPDConfig(arl.SamplingConfig):
-    """One distillation run besides the models and the tasks.
+class OPDConfig(arl.RLConfig):
+    """One distillation run besides the models and the tasks: chapter 7's RLConfig
+    (the same loop and update), with a teacher in place of the reward.
 
     beta: direction of generalized_jsd (0 forward KL, 1 reverse KL); lam: the share
     of steps whose episodes the student samples (GKD's on-policy fraction; the other
     steps distil on episodes the teachers sample); loss: 'jsd' (full-vocabulary
     divergence) or 'sft' (negative log-likelihood of the sampled tokens: with lam=0,
     SFT on teacher trajectories); teacher_temperature divides the teachers' logits
-    (1: the teachers as they are). group_size 1: no group baseline is needed.
+    (1: the teachers as they are). Three of RLConfig's defaults change: one episode
+    per task (no group baseline: the teacher is the baseline), one optimiser step per
+    batch (the episodes are always fresh: no ratio is needed) and a constant
+    learning rate. RLConfig's clip_eps and scale_rewards play no part.
     """
+    group_baseline: ClassVar[bool] = False
     group_size: int = 1
-    tasks_per_step: int = 32
-    seed: int = 0
-    lr: float = 1e-3
+    epochs: int = 1
+    lr_schedule: str = 'constant'
     beta: float = 1.0
     lam: float = 1.0
     loss: str = 'jsd'
     teacher_temperature: float = 1.0
-    micro_batch_size: int = 32
-    max_grad_norm: float = 1.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -211,9 +213,7 @@ class OPDConfig(arl.SamplingConfig):
         if not 0 <= self.beta <= 1 or not 0 <= self.lam <= 1:
             raise ValueError(f'beta and lam must be in [0, 1], got {self.beta}, '
                              f'{self.lam}')
-        if not self.teacher_temperature > 0 or self.micro_batch_size < 1:
-            raise ValueError('need teacher_temperature > 0 and micro_batch_size >= 1, '
-                             f'got {self.teacher_temperature}, {self.micro_batch_size}')
+        arl.check_real('teacher_temperature', self.teacher_temperature, 0, strict=True)
 
 
 def route_by_family(trajs, teachers):
@@ -261,100 +261,96 @@ def distill_loss(student, teacher, ids, mask, beta, n_tokens, loss='jsd',
     return (per_token * mask).sum() / n_tokens, {k: v.item() for k, v in stats.items()}
 
 
-def distill_gradients(student, teachers, trajs, tok, cfg, n_tokens):
-    """One step's distillation gradient, accumulated into the student's .grad ->
-    totals (loss, reverse_kl, forward_kl, entropy: per policy token).
+class Distillation(arl.UpdateTerm):
+    """The part that turns chapter 7's update into distillation: its objective is
+    distill_loss, each micro-batch scored by the teacher of its rows' family.
 
-    Every trajectory is routed to its family's teacher (route_by_family) and
-    distill_loss runs on micro-batches of cfg.micro_batch_size, each normalised by
-    the whole step's n_tokens, so the sum of the micro-batches' gradients is the
-    batch gradient. train_opd's default gradient_fn; chapter 17 computes the same
-    gradient through its teacher store and scheduler.
+    route(trajs) names the batch's trajectories before each update (train_opd's
+    sampler calls it); micro-batches hold one family's rows each, in teacher order
+    (route_by_family), so each teacher runs once per micro-batch. stats: reverse_kl,
+    forward_kl and entropy per policy token of the batch.
     """
-    totals = dict(loss=0.0, reverse_kl=0.0, forward_kl=0.0, entropy=0.0)
-    for family, idx in route_by_family(trajs, teachers):
-        for part in torch.tensor(idx).split(cfg.micro_batch_size):
-            batch = arl.collate([trajs[i] for i in part], tok.pad_id)
-            loss, stats = distill_loss(
-                student, teachers[family], batch['ids'], batch['action_mask'],
-                cfg.beta, n_tokens, cfg.loss, cfg.teacher_temperature)
-            loss.backward()
-            totals['loss'] += loss.item()
-            for k, v in stats.items():
-                totals[k] += v / n_tokens
-    return totals
+    def __init__(self, teachers, cfg):
+        self.teachers, self.cfg, self.trajs = teachers, cfg, []
+
+    def route(self, trajs):
+        self.trajs = trajs
+
+    def start(self, batch):
+        if len(self.trajs) != len(batch['ids']):
+            raise ValueError(f'the batch has {len(batch["ids"])} rows, but route() '
+                             f'named {len(self.trajs)} trajectories')
+        self.totals = dict(reverse_kl=0.0, forward_kl=0.0, entropy=0.0)
+
+    def micro_batches(self, order, size):
+        if not torch.equal(order, torch.arange(len(order))):
+            raise ValueError('distillation keeps the batch in order (no shuffling)')
+        return [part for _, rows in route_by_family(self.trajs, self.teachers)
+                for part in torch.tensor(rows).split(size)]
+
+    def objective(self, model, ids, mask, sl, n_tokens):
+        family = self.trajs[int(sl[0][0])].info['family']
+        loss, stats = distill_loss(model, self.teachers[family], ids, mask,
+                                   self.cfg.beta, float(n_tokens), self.cfg.loss,
+                                   self.cfg.teacher_temperature)
+        for k, v in stats.items():
+            self.totals[k] += v / float(n_tokens)
+        return loss
+
+    def stats(self, n_tokens):
+        return dict(self.totals)
 
 
 def train_opd(student, teachers, tasks, tok, cfg, steps, eval_tasks=None,
-              eval_every=10, eval_n=8, progress=True, gradient_fn=distill_gradients):
-    """On-policy distillation from many teachers, training `student` in place ->
+              eval_every=10, eval_n=8, progress=True, parts=None):
+    """On-policy distillation from many teachers, training `student` in place:
+    chapter 7's train_rl with this chapter's sampler and update part -> train_rl's
     history.
 
     Each step picks cfg.tasks_per_step tasks; with probability cfg.lam the student
     samples cfg.group_size episodes of each (arl.sample_groups), else each task's
     family teacher samples them (off-policy). Every trajectory is routed to its
-    family's teacher (route_by_family) and one optimiser step is taken on
-    distill_loss. history: one dict per step (episodes: student episodes sampled,
-    teacher_episodes, per-token loss, reverse_kl, forward_kl, entropy, the sampled
-    episodes' behaviour), plus 'heldout' (arl.evaluate with eval_n episodes per task)
-    every eval_every steps (eval_every=0: none) and after the last.
-    gradient_fn(student, teachers, trajs, tok, cfg, n_tokens) -> dict accumulates
-    the step's gradient and returns what the record shows of it
-    (distill_gradients unless given).
+    family's teacher and one optimiser step of arl.rl_update is taken with the
+    Distillation part as its objective. Records are train_rl's (episodes: student
+    episodes sampled before the step; sampled: the step's own; heldout every
+    eval_every steps, 0: only after the last) with on_policy, teacher_episodes, the
+    update's loss, reverse_kl, forward_kl, entropy and grad_norm, and the behaviour
+    of the step's episodes, whoever sampled them.
+    parts: the update's parts, the first a Distillation (chapter 17 passes one that
+    reads its teachers from a store) -- default (Distillation(teachers, cfg),).
     """
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f'steps must be an int >= 1, got {steps!r}')
     if not tasks:
         raise ValueError('tasks is empty')
-    if not isinstance(eval_every, int) or eval_every < 0:
-        raise ValueError(f'eval_every must be an int >= 0, got {eval_every!r}')
     missing = sorted({t.family for t in tasks} - set(teachers))
     if missing:
         raise ValueError(f'no teacher for families {missing}')
-    torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    optimizer = torch.optim.Adam(student.parameters(), lr=cfg.lr)
+    parts = (Distillation(teachers, cfg),) if parts is None else tuple(parts)
+    if not parts or not isinstance(parts[0], Distillation):
+        raise TypeError('parts[0] must be a Distillation part')
     env_fn = lambda: arl.make_env(cfg)
 
-    def evaluate(step):     # the start is the same for every run from one student
-        if step == 0:
-            return arl.evaluate_once(student, eval_tasks, tok, eval_n, 0, cfg)
-        return arl.evaluate(student, eval_tasks, tok, eval_n,
-                            generator=torch.Generator().manual_seed(step), cfg=cfg)
-
-    history = []
-    for step in tqdm(range(steps), desc='OPD', disable=not progress):
-        record = dict(step=step)
-        if eval_tasks is not None and eval_every and step % eval_every == 0:
-            record['heldout'] = evaluate(step)
+    def sample_fn(model, tasks, step, gen):
         pick = torch.randperm(len(tasks), generator=gen)[:cfg.tasks_per_step].tolist()
         picked = [tasks[i] for i in pick]
         on_policy = bool(torch.rand(1, generator=gen) < cfg.lam)
         if on_policy:
-            trajs = arl.sample_groups(student, env_fn, picked, tok, cfg, gen)
+            trajs = arl.sample_groups(model, env_fn, picked, tok, cfg, gen)
         else:                       # each family's teacher writes its episodes
-            trajs = [traj for family, model in teachers.items()
+            trajs = [traj for family, teacher in teachers.items()
                      for traj in arl.sample_groups(
-                         model, env_fn, [t for t in picked if t.family == family],
+                         teacher, env_fn, [t for t in picked if t.family == family],
                          tok, cfg, gen)]
-        record.update(arl.behavior_stats(trajs), on_policy=on_policy,
-                      episodes=len(trajs) if on_policy else 0,
-                      teacher_episodes=0 if on_policy else len(trajs))
-        n_tokens = sum(float(t.action_mask.sum()) for t in trajs)
-        if n_tokens == 0:
-            raise RuntimeError(f'step {step}: the episodes hold no policy token')
-        student.train()
-        optimizer.zero_grad()
-        totals = gradient_fn(student, teachers, trajs, tok, cfg, n_tokens)
-        grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(),
-                                                   cfg.max_grad_norm)
-        optimizer.step()
-        student.eval()
-        record.update(totals, grad_norm=float(grad_norm))
-        history.append(record)
-    if eval_tasks is not None:
-        history.append(dict(step=steps, heldout=evaluate(steps)))
-    return history
+        parts[0].route(trajs)
+        extra = dict(arl.behavior_stats(trajs), on_policy=on_policy,
+                     teacher_episodes=0 if on_policy else len(trajs))
+        return trajs, trajs if on_policy else [], extra
+
+    def update_fn(model, optimizer, batch, advantages, cfg, ref_model, generator):
+        # no generator: the micro-batches keep each teacher's rows together
+        return arl.rl_update(model, optimizer, batch, advantages, cfg, terms=parts)
+
+    return arl.train_rl(student, tasks, tok, cfg, steps, eval_tasks, eval_every, eval_n,
+                        progress=progress, sample_fn=sample_fn, update_fn=update_fn)
 
 
 def train_opd_cached(student, teachers, tasks, tok, cfg, steps, eval_tasks=None,
@@ -384,7 +380,7 @@ __all__ = [
     'OPDConfig',
     'route_by_family',
     'distill_loss',
-    'distill_gradients',
+    'Distillation',
     'train_opd',
     'train_opd_cached',
 ]

@@ -708,6 +708,45 @@ class HeadScheduler:
 
 # -------- 6. Chapter 15's step, through the scheduler
 
+def _teacher_groups(teacher_ids, size):
+    """Row indices in teacher order, in runs of one teacher, each split into
+    micro-batches of `size` -> list of (teacher, [rows])."""
+    groups = []
+    for i in teacher_order(teacher_ids).tolist():
+        if not groups or groups[-1][0] != teacher_ids[i]:
+            groups.append((teacher_ids[i], []))
+        groups[-1][1].append(i)
+    return [(t, rows[k:k + size]) for t, rows in groups
+            for k in range(0, len(rows), size)]
+
+
+def _fused_divergence(student, ids, mask, rows, buffer, name, head, beta, chunk_size,
+                      vocab_chunk_size, teacher_temperature):
+    """Per-token generalised JSD of one micro-batch from hidden states: the student's
+    (its own head-less forward) against the teacher's in `buffer` -> [n] over the
+    policy tokens (mask [b, w-1]) of `rows`."""
+    hidden = student.hidden(ids)[:, :-1][mask.bool()]                    # [n, d]
+    teacher_hidden = buffer.get(rows, student.head.weight.dtype, teacher=name)
+    if len(teacher_hidden) != len(hidden):
+        raise ValueError(f'the buffer holds {len(teacher_hidden)} hidden states for '
+                         f'trajectories {rows}, which have {len(hidden)} policy tokens')
+    return fused_linear_kl(hidden, student.head.weight, teacher_hidden, head,
+                           chunk_size, beta=beta, vocab_chunk_size=vocab_chunk_size,
+                           teacher_temperature=teacher_temperature)          # [n]
+
+
+def _check_teacher_ids(store, trajs, teacher_ids):
+    names, teacher_ids = store.names(), [int(t) for t in teacher_ids]
+    if len(teacher_ids) != len(trajs) or not trajs:
+        raise ValueError(f'need one teacher id per trajectory, got {len(teacher_ids)} '
+                         f'for {len(trajs)} trajectories')
+    bad = sorted({t for t in teacher_ids if not 0 <= t < len(names)})
+    if bad:
+        raise ValueError(f'teacher_ids {bad} are not indices into the store\'s '
+                         f'{len(names)} teachers {names}')
+    return names, teacher_ids
+
+
 def scheduled_distill_step(student, store, trajs, teacher_ids, pad_id, buffer, beta,
                            n_tokens=None, micro_batch_size=32, chunk_size=1024,
                            vocab_chunk_size=None, prefetch=True,
@@ -723,19 +762,8 @@ def scheduled_distill_step(student, store, trajs, teacher_ids, pad_id, buffer, b
     divided by n_tokens (default: the mini-batch's policy tokens), summed in the
     trajectories' own order, so it does not depend on the schedule.
     """
-    if len(teacher_ids) != len(trajs) or not trajs:
-        raise ValueError(f'need one teacher id per trajectory, got {len(teacher_ids)} '
-                         f'for {len(trajs)} trajectories')
-    names, teacher_ids = store.names(), [int(t) for t in teacher_ids]
-    bad = sorted({t for t in teacher_ids if not 0 <= t < len(names)})
-    if bad:
-        raise ValueError(f'teacher_ids {bad} are not indices into the store\'s '
-                         f'{len(names)} teachers {names}')
-    groups = []                                     # (teacher, [trajectory indices])
-    for i in teacher_order(teacher_ids).tolist():
-        if not groups or groups[-1][0] != teacher_ids[i]:
-            groups.append((teacher_ids[i], []))
-        groups[-1][1].append(i)
+    names, teacher_ids = _check_teacher_ids(store, trajs, teacher_ids)
+    groups = _teacher_groups(teacher_ids, micro_batch_size)
     counts = [int(t.action_mask.sum()) for t in trajs]
     starts = [sum(counts[:i]) for i in range(len(trajs))]          # token offsets
     n_tokens = float(sum(counts)) if n_tokens is None else n_tokens
@@ -744,65 +772,99 @@ def scheduled_distill_step(student, store, trajs, teacher_ids, pad_id, buffer, b
     dtype = student.head.weight.dtype
     per_token = torch.zeros(sum(counts), dtype=torch.promote_types(
         dtype, torch.float32))                                      # [N]
-    with HeadScheduler(store, [names[t] for t, _ in groups], prefetch,
+    runs = [t for k, (t, _) in enumerate(groups) if k == 0 or groups[k - 1][0] != t]
+    with HeadScheduler(store, [names[t] for t in runs], prefetch,
                        dtype=dtype) as scheduler:
-        for (teacher, rows), lease in zip(groups, scheduler):
-            for part in [rows[k:k + micro_batch_size]
-                         for k in range(0, len(rows), micro_batch_size)]:
-                batch = arl.collate([trajs[i] for i in part], pad_id)
-                mask = batch['action_mask'].bool()                  # [b, w-1]
-                hidden = student.hidden(batch['ids'])[:, :-1][mask]   # [n, d]
-                teacher_hidden = buffer.get(part, dtype, teacher=names[teacher])
-                if len(teacher_hidden) != len(hidden):
-                    raise ValueError(f'the buffer holds {len(teacher_hidden)} hidden '
-                                     f'states for trajectories {part}, which have '
-                                     f'{len(hidden)} policy tokens')
-                out = fused_linear_kl(hidden, student.head.weight, teacher_hidden,
-                                      lease.weight, chunk_size, beta=beta,
-                                      vocab_chunk_size=vocab_chunk_size,
-                                      teacher_temperature=teacher_temperature)  # [n]
-                (out.sum() / n_tokens).backward()   # frees the graph holding the head
-                idx = torch.cat([torch.arange(starts[i], starts[i] + counts[i])
-                                 for i in part])
-                per_token[idx] = out.detach()
+        leases, current, lease = iter(scheduler), None, None
+        for teacher, part in groups:
+            if teacher != current:
+                current, lease = teacher, next(leases)
+            batch = arl.collate([trajs[i] for i in part], pad_id)
+            out = _fused_divergence(student, batch['ids'], batch['action_mask'], part,
+                                    buffer, names[teacher], lease.weight, beta,
+                                    chunk_size, vocab_chunk_size, teacher_temperature)
+            (out.sum() / n_tokens).backward()   # frees the graph holding the head
+            idx = torch.cat([torch.arange(starts[i], starts[i] + counts[i])
+                             for i in part])
+            per_token[idx] = out.detach()
     return per_token.sum().item() / n_tokens, scheduler
 
 
-def scheduled_gradients(store, buffer_dtype=None, prefetch=True, chunk_size=1024,
-                        vocab_chunk_size=None):
-    """A gradient_fn for chapter 15's arl.train_opd that takes every step through
-    this chapter's pieces -> gradient_fn(student, teachers, trajs, tok, cfg,
-    n_tokens) -> totals.
+class ScheduledDistillation(arl.Distillation):
+    """Chapter 15's Distillation part computed through this chapter's pieces, for
+    arl.train_opd(..., parts=(ScheduledDistillation(store, cfg, pad_id),)).
 
-    Each trajectory goes to the store's teacher named by its family; the teachers'
-    trunks fill a fresh HiddenBuffer (in buffer_dtype, default the student's
-    dtype; one trunk read per teacher) and scheduled_distill_step accumulates the
-    loss's gradient with one head resident at a time. The `teachers` dict that
-    train_opd holds only samples off-policy episodes: it scores nothing. totals:
-    loss (per policy token), trunks_read, head_loads, max_resident.
+    At each update the teachers' trunks (one read each) fill a fresh HiddenBuffer (in
+    buffer_dtype, default the student's), the micro-batches go in teacher order and
+    each one's divergence comes from fused_linear_kl with its teacher's head, one
+    head resident at a time (HeadScheduler). The `teachers` dict that train_opd holds
+    only samples off-policy episodes: it scores nothing. stats: trunks_read,
+    head_loads, max_resident.
     """
-    names = store.names()
-
-    def gradient_fn(student, teachers, trajs, tok, cfg, n_tokens):
+    def __init__(self, store, cfg, pad_id, buffer_dtype=None, prefetch=True,
+                 chunk_size=1024, vocab_chunk_size=None):
         if cfg.loss != 'jsd':
-            raise ValueError(f"scheduled_gradients computes the 'jsd' loss, got "
+            raise ValueError(f"ScheduledDistillation computes the 'jsd' loss, got "
                              f'{cfg.loss!r}')
-        families = [t.info.get('family') for t in trajs]
-        missing = sorted({str(f) for f in families if f not in names})
+        super().__init__({}, cfg)
+        self.store, self.names, self.pad_id = store, store.names(), pad_id
+        self.buffer_dtype, self.prefetch = buffer_dtype, prefetch
+        self.chunks = (chunk_size, vocab_chunk_size)
+        self.scheduler = None
+
+    def route(self, trajs):
+        missing = sorted({str(t.info.get('family')) for t in trajs
+                          if t.info.get('family') not in self.names})
         if missing:
-            raise ValueError(f'no teacher named {missing} in the store ({names})')
-        teacher_ids = [names.index(f) for f in families]
-        buffer = HiddenBuffer(buffer_dtype or student.head.weight.dtype)
-        trunks = fill_hidden_buffer(store, trajs, teacher_ids, tok.pad_id, buffer,
-                                    cfg.micro_batch_size)
-        loss, scheduler = scheduled_distill_step(
-            student, store, trajs, teacher_ids, tok.pad_id, buffer, cfg.beta,
-            n_tokens=n_tokens, micro_batch_size=cfg.micro_batch_size,
-            chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
-            prefetch=prefetch, teacher_temperature=cfg.teacher_temperature)
-        return dict(loss=loss, trunks_read=trunks, head_loads=scheduler.loads,
-                    max_resident=scheduler.max_resident)
-    return gradient_fn
+            raise ValueError(f'no teacher named {missing} in the store ({self.names})')
+        self.trajs = trajs
+        self.teacher_ids = [self.names.index(t.info['family']) for t in trajs]
+
+    def start(self, batch):
+        super().start(batch)
+        self.close()
+        self.buffer, self.trunks_read = None, 0
+
+    def micro_batches(self, order, size):
+        if not torch.equal(order, torch.arange(len(order))):
+            raise ValueError('distillation keeps the batch in order (no shuffling)')
+        self.groups = _teacher_groups(self.teacher_ids, size)
+        return [torch.tensor(rows) for _, rows in self.groups]
+
+    def objective(self, model, ids, mask, sl, n_tokens):
+        if self.buffer is None:          # the first micro-batch: trunks, then heads
+            dtype = model.head.weight.dtype
+            self.buffer = HiddenBuffer(self.buffer_dtype or dtype)
+            self.trunks_read = fill_hidden_buffer(
+                self.store, self.trajs, self.teacher_ids, self.pad_id, self.buffer,
+                self.cfg.micro_batch_size)
+            runs = [t for k, (t, _) in enumerate(self.groups)
+                    if k == 0 or self.groups[k - 1][0] != t]
+            self.scheduler = HeadScheduler(self.store, [self.names[t] for t in runs],
+                                           self.prefetch, dtype=dtype).start()
+            self.leases, self.current = iter(self.scheduler), None
+        rows = sl[0].tolist()
+        teacher = self.teacher_ids[rows[0]]
+        if teacher != self.current:
+            self.current, self.lease = teacher, next(self.leases)
+        out = _fused_divergence(model, ids, mask, rows, self.buffer,
+                                self.names[teacher], self.lease.weight, self.cfg.beta, *self.chunks,
+                                self.cfg.teacher_temperature)
+        return out.sum() / float(n_tokens)
+
+    def epoch_end(self, epoch, stats):
+        self.close()
+
+    def close(self):
+        if self.scheduler is not None:
+            self.loads = self.scheduler.loads
+            self.max_resident = self.scheduler.max_resident
+            self.scheduler.close()
+            self.scheduler = None
+
+    def stats(self, n_tokens):
+        return dict(trunks_read=self.trunks_read, head_loads=self.loads,
+                    max_resident=self.max_resident)
 
 
 __all__ = [
@@ -820,5 +882,5 @@ __all__ = [
     'HeadLease',
     'HeadScheduler',
     'scheduled_distill_step',
-    'scheduled_gradients',
+    'ScheduledDistillation',
 ]

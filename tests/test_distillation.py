@@ -267,16 +267,17 @@ def test_train_opd_history_and_on_policy_share(small):
     hist = arl.train_opd(model, teachers, tasks, tok, cfg, 2, eval_tasks=tasks[:2],
                          eval_every=1, eval_n=1, progress=False)
     assert [('heldout' in r) for r in hist] == [True, True, True]
-    assert all(r['on_policy'] and r['episodes'] == 4 and r['teacher_episodes'] == 0
-               for r in hist[:2])
+    assert all(r['on_policy'] and r['sampled'] == r['kept'] == 4
+               and r['teacher_episodes'] == 0 for r in hist[:2])
+    assert [r['episodes'] for r in hist] == [0, 4, 8]      # student episodes before each
     assert all(r['loss'] > 0 and r['entropy'] > 0 for r in hist[:2])
     assert hist[0]['loss'] == pytest.approx(hist[0]['reverse_kl'], rel=1e-5)  # beta = 1
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), student.parameters()))
     off = arl.train_opd(copy.deepcopy(student), teachers, tasks, tok,
                         arl.OPDConfig(tasks_per_step=4, max_tokens=40, max_turns=2, lam=0.0),
                         2, progress=False)
-    assert all(not r['on_policy'] and r['episodes'] == 0 and r['teacher_episodes'] == 4
-               for r in off)
+    assert all(not r['on_policy'] and r['sampled'] == r['episodes'] == 0
+               and r['teacher_episodes'] == r['kept'] == 4 for r in off)
     with pytest.raises(ValueError, match='no teacher'):
         arl.train_opd(copy.deepcopy(student), {'calc': teachers['calc']}, tasks, tok, cfg, 1,
                       progress=False)
@@ -340,21 +341,35 @@ def test_train_opd_cached_loads_the_second_time(small, tmp_path, monkeypatch):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
 
 
-def test_train_opd_gradient_fn_is_the_step_it_takes(small):
-    """The gradient is a part of the loop: a gradient_fn that wraps the default one
-    trains bit for bit like the default, and is called once per step."""
+def test_train_opd_parts_join_the_update(small):
+    """The update's parts are the loop's only hook into the gradient: a part after the
+    Distillation sees every update start and changes nothing; parts[0] must distil."""
     tok, tasks, student, teachers = small
     cfg = arl.OPDConfig(tasks_per_step=4, max_tokens=40, max_turns=2, micro_batch_size=3)
-    calls = []
+    starts = []
 
-    def counted(*args):
-        calls.append(args[-1])                              # n_tokens of the step
-        return arl.distill_gradients(*args)
+    class Count(arl.UpdateTerm):
+        def start(self, batch):
+            starts.append(int(batch['action_mask'].sum()))
+
     plain, hooked = copy.deepcopy(student), copy.deepcopy(student)
     h_plain = arl.train_opd(plain, teachers, tasks, tok, cfg, 3, progress=False)
     h_hooked = arl.train_opd(hooked, teachers, tasks, tok, cfg, 3, progress=False,
-                             gradient_fn=counted)
-    assert len(calls) == 3 and all(n > 0 for n in calls)
+                             parts=(arl.Distillation(teachers, cfg), Count()))
+    assert len(starts) == 3 and all(n > 0 for n in starts)
     assert h_plain == h_hooked
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), hooked.parameters()))
     assert any(not torch.equal(p, q) for p, q in zip(plain.parameters(), student.parameters()))
+    with pytest.raises(TypeError, match='Distillation'):
+        arl.train_opd(copy.deepcopy(student), teachers, tasks, tok, cfg, 1, progress=False,
+                      parts=(Count(),))
+
+
+def test_opd_config_is_an_rl_config_without_group_baseline():
+    cfg = arl.OPDConfig()
+    assert isinstance(cfg, arl.RLConfig)
+    assert (cfg.group_size, cfg.epochs, cfg.lr_schedule) == (1, 1, 'constant')
+    with pytest.raises(ValueError, match='group_size'):
+        arl.RLConfig(group_size=1)
+    with pytest.raises(ValueError, match='teacher_temperature'):
+        arl.OPDConfig(teacher_temperature=0.0)

@@ -9,6 +9,7 @@ import torch
 
 import agentrl as arl
 from frozen.engine_v1 import rl_update_v1, train_rl_v1
+from frozen.opd_v1 import train_opd_v1
 from frozen.trainers_v1 import (ppo_update_v1, train_curriculum_v1,
                                  train_rl_quantized_rollout_v1)
 from helpers import informative_rewards
@@ -129,14 +130,16 @@ def _trainers(tasks, tok, base, cfg):
         'train_rl_quantized_rollout': lambda m: arl.train_rl_quantized_rollout(
             m, tasks, tok, cfg, 2, 'mxfp4', 2.0, **kw),
         'ppo_update, traced_update': ppo,
+        'train_opd': lambda m: arl.train_opd(
+            m, {f: m for f in {t.family for t in tasks}}, tasks, tok,
+            arl.OPDConfig(tasks_per_step=4, max_turns=3), 2, **kw),
     }
 
 
 def test_every_rl_trainer_steps_the_optimiser_only_inside_the_one_update(monkeypatch,
                                                                          tiny_agent):
-    """Chapters 7, 8, 10, 13, 14 and 16 train through arl.rl_update: every optimiser
-    step of their trainers happens inside it (chapter 15's train_opd has its own step:
-    README, "One engine")."""
+    """Chapters 7, 8, 10, 13, 14, 15 and 16 train through arl.rl_update: every optimiser
+    step of their trainers happens inside it."""
     tasks, tok, base = tiny_agent
     informative_rewards(monkeypatch)
     inside, steps = [0], []
@@ -288,3 +291,31 @@ def test_evaluate_once_is_evaluate_computed_once(monkeypatch, tmp_path, tiny_age
         next(trained.parameters()).add_(0.01)
     arl.evaluate_once(trained, tasks[:3], tok, 2, 0, cfg)
     assert len(calls) == 5                       # another model: another entry
+
+
+@pytest.mark.parametrize('lam, loss, beta, micro', [(1.0, 'jsd', 1.0, 3), (0.5, 'jsd', 0.5, 32),
+                                                    (0.0, 'sft', 1.0, 2)])
+def test_train_opd_is_train_rl_with_a_part_bit_for_bit(lam, loss, beta, micro):
+    """Chapter 15's train_opd (chapter 7's train_rl with a sampler and the Distillation
+    part) trains exactly as the frozen copy of its own old loop: the same weights after
+    three steps, on- and off-policy, with micro-batches that split a family's rows."""
+    tasks = [t for t in arl.make_tasks('train') if t.family in ('calc', 'max', 'sum')][:9]
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+    torch.manual_seed(0)
+    make = lambda: arl.TinyAgent(len(tok), d_model=16, n_layers=1, n_heads=2,
+                                 max_len=128).eval()
+    student, teachers = make(), {'calc': make(), 'max': make(), 'sum': make()}
+    cfg = arl.OPDConfig(tasks_per_step=6, max_tokens=48, max_turns=2, lam=lam, loss=loss,
+                        beta=beta, micro_batch_size=micro, seed=2, lr=1e-2)
+    old, new = copy.deepcopy(student), copy.deepcopy(student)
+    h_old = train_opd_v1(old, teachers, tasks, tok, cfg, 3, eval_tasks=tasks[:2],
+                         eval_every=2, eval_n=1, progress=False)
+    h_new = arl.train_opd(new, teachers, tasks, tok, cfg, 3, eval_tasks=tasks[:2],
+                          eval_every=2, eval_n=1, progress=False)
+    assert _same_weights(old, new) and not _same_weights(new, student)
+    assert [r.get('heldout') for r in h_old] == [r.get('heldout') for r in h_new]
+    for a, b in zip(h_old[:3], h_new[:3]):
+        for key in ('loss', 'grad_norm', 'reverse_kl', 'forward_kl', 'entropy',
+                    'on_policy', 'teacher_episodes', 'reward', 'length'):
+            assert b[key] == a[key], key
+        assert b['sampled'] == a['episodes']          # the step's own student episodes

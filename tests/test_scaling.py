@@ -319,7 +319,7 @@ def test_curriculum_rejects_bad_arguments():
     tok = arl.build_tokenizer(arl.make_tasks('all'))
     model = arl.TinyAgent(len(tok), d_model=16, n_layers=1, n_heads=2, max_len=64)
     cfg = arl.RLConfig(group_size=2, tasks_per_step=2, max_tokens=24, max_turns=1)
-    for kwargs, name in ((dict(steps=0), 'steps'), (dict(steps=2, eval_every=0), 'eval_every'),
+    for kwargs, name in ((dict(steps=0), 'steps'), (dict(steps=2, eval_every=-1), 'eval_every'),
                          (dict(steps=2, revisit=-1), 'revisit')):
         with pytest.raises(ValueError, match=name):
             arl.train_curriculum(model, tasks, tok, cfg, progress=False, **kwargs)

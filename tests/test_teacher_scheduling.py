@@ -937,10 +937,19 @@ def _long_agent(seed, vocab, dtype=torch.float32):
     return arl.TinyAgent(vocab, d_model=16, n_layers=1, n_heads=2, max_len=256).to(dtype).eval()
 
 
+class _GradsAfterEachStep(arl.UpdateTerm):
+    """Records the student's gradient once each update's micro-batches are done."""
+    def __init__(self, model, grads):
+        self.model, self.grads = model, grads
+
+    def epoch_end(self, epoch, stats):
+        self.grads.append([p.grad.clone() for p in self.model.parameters()])
+
+
 @pytest.mark.parametrize('micro_batch_size', [2, 32])
-def test_scheduled_gradients_trains_like_train_opd_step_for_step(micro_batch_size, tmp_path):
-    """Issue (joints) item 5: chapter 15's loop with the scheduled gradient equals the plain
-    loop in float64: every step's loss and the weights after every update."""
+def test_scheduled_distillation_trains_like_train_opd_step_for_step(micro_batch_size, tmp_path):
+    """Issue (joints) item 5: chapter 15's loop with the scheduled part equals the plain
+    loop in float64: every step's loss, gradient and the weights after every update."""
     tasks = [t for t in arl.make_tasks('train') if t.family in ('calc', 'max')][:8]
     tok = arl.build_tokenizer(arl.make_tasks('all'))
     make = lambda seed: _long_agent(seed, len(tok), torch.float64)
@@ -952,17 +961,13 @@ def test_scheduled_gradients_trains_like_train_opd_step_for_step(micro_batch_siz
     cfg = arl.OPDConfig(tasks_per_step=4, max_tokens=40, max_turns=2,
                         micro_batch_size=micro_batch_size)
     runs = []
-    for fn in (arl.distill_gradients, arl.scheduled_gradients(store)):
-        model, weights = copy.deepcopy(student), []
-
-        def recorded(s, *args, fn=fn, weights=weights):
-            out = fn(s, *args)
-            weights.append([p.grad.clone() for p in s.parameters()])
-            return out
+    for part in (arl.Distillation(teachers, cfg), arl.ScheduledDistillation(store, cfg, tok.pad_id)):
+        model, grads = copy.deepcopy(student), []
         history = arl.train_opd(model, teachers, tasks, tok, cfg, 3, progress=False,
-                                gradient_fn=recorded)
-        runs.append((history, weights, model))
+                                parts=(part, _GradsAfterEachStep(model, grads)))
+        runs.append((history, grads, model))
     (plain, plain_g, plain_m), (sched, sched_g, sched_m) = runs
+    assert len(plain_g) == len(sched_g) == 3
     for a, b in zip(plain, sched):
         assert b['loss'] == pytest.approx(a['loss'], rel=1e-10, abs=0)
         assert b['max_resident'] == 1 and b['head_loads'] == b['trunks_read'] >= 1
@@ -975,7 +980,7 @@ def test_scheduled_gradients_trains_like_train_opd_step_for_step(micro_batch_siz
                                                      student.parameters()))
 
 
-def test_scheduled_gradients_rejects_a_family_without_a_stored_teacher(tmp_path):
+def test_scheduled_distillation_rejects_a_family_without_a_stored_teacher(tmp_path):
     tok = arl.build_tokenizer(arl.make_tasks('all'))
     store = arl.TeacherStore(tmp_path)
     store.save('calc', _long_agent(1, len(tok)))
@@ -984,9 +989,6 @@ def test_scheduled_gradients_rejects_a_family_without_a_stored_teacher(tmp_path)
     cfg = arl.OPDConfig(tasks_per_step=2, max_tokens=30, max_turns=2)
     with pytest.raises(ValueError, match='no teacher named'):
         arl.train_opd(_long_agent(0, len(tok)), teachers, tasks, tok, cfg, 1,
-                      progress=False, gradient_fn=arl.scheduled_gradients(store))
+                      progress=False, parts=(arl.ScheduledDistillation(store, cfg, tok.pad_id),))
     with pytest.raises(ValueError, match="'jsd'"):
-        arl.train_opd(_long_agent(0, len(tok)), teachers, tasks, tok,
-                      arl.OPDConfig(tasks_per_step=2, max_tokens=30, max_turns=2,
-                                    loss='sft'), 1, progress=False,
-                      gradient_fn=arl.scheduled_gradients(store))
+        arl.ScheduledDistillation(store, arl.OPDConfig(loss='sft'), tok.pad_id)

@@ -848,8 +848,8 @@ class ScheduledDistillation(arl.Distillation):
         if teacher != self.current:
             self.current, self.lease = teacher, next(self.leases)
         out = _fused_divergence(model, ids, mask, rows, self.buffer,
-                                self.names[teacher], self.lease.weight, self.cfg.beta, *self.chunks,
-                                self.cfg.teacher_temperature)
+                                self.names[teacher], self.lease.weight, self.cfg.beta,
+                                *self.chunks, self.cfg.teacher_temperature)
         return out.sum() / float(n_tokens)
 
     def epoch_end(self, epoch, stats):

@@ -10,6 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import agentrl as arl
 import functools
+import contextlib
+from torch.nn.utils import parametrize
 
 
 # -------- The formats, bit by bit
@@ -501,6 +503,60 @@ def train_rl_quantized_rollout(model, tasks, tok, cfg, steps, rollout_fmt='mxfp4
                         update_fn=functools.partial(arl.rl_update, terms=(part,)))
 
 
+def trainer_weight(w, fmt):
+    """The values a low-precision trainer's matmul computes with -> float32 [out, in]:
+    fmt's rounding of w (quantize_weight); for 'mxfp4' cast to FP8 with one scale per
+    128 x 128 tile (mxfp4_to_fp8, which raises rather than lose a value), the operand
+    an FP8 tensor core takes. A float32 product of these values emulates it exactly."""
+    q = quantize_weight(w, fmt)
+    if fmt == 'mxfp4':
+        q, _ = mxfp4_to_fp8(q)
+    return q.dequantize()
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: trainer_weight(w, fmt); backward: the gradient passes to w unchanged
+    (the straight-through estimator: rounding is treated as the identity)."""
+
+    @staticmethod
+    def forward(ctx, w, fmt):
+        return trainer_weight(w, fmt)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _TrainerWeight(nn.Module):
+    """A parametrization of nn.Linear's weight: what the forward sees of it."""
+
+    def __init__(self, fmt):
+        super().__init__()
+        self.fmt = fmt
+
+    def forward(self, w):
+        return _StraightThrough.apply(w, self.fmt)
+
+
+@contextlib.contextmanager
+def quantization_aware(model, fmt='mxfp4'):
+    """Quantisation-aware training of a TinyAgent, in place: inside the block every
+    nn.Linear computes with trainer_weight(w, fmt), the values an fmt sampler
+    (quantize_model) computes with, and its float32 master weight w trains through
+    the straight-through estimator. On exit every weight is left rounded, the model
+    the format serves. Yields model."""
+    if fmt not in FORMATS:
+        raise ValueError(f'fmt must be one of {FORMATS}, got {fmt!r}')
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    for m in linears:
+        parametrize.register_parametrization(m, 'weight', _TrainerWeight(fmt))
+    try:
+        yield model
+    finally:
+        for m in linears:
+            parametrize.remove_parametrizations(m, 'weight', leave_parametrized=True)
+
+
 __all__ = [
     'E2M1_MAGNITUDES',
     'E2M1_MAX',
@@ -533,4 +589,6 @@ __all__ = [
     'teacher_forced_kl',
     'quantized_sampler',
     'train_rl_quantized_rollout',
+    'trainer_weight',
+    'quantization_aware',
 ]

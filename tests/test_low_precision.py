@@ -318,3 +318,55 @@ def test_train_rl_quantized_rollout_runs_and_measures_mismatch(tiny, monkeypatch
         arl.train_rl_quantized_rollout(model, tasks, tok, cfg, 1, 'mxfp4', tis_cap=0)
     with pytest.raises(ValueError, match='steps'):
         arl.train_rl_quantized_rollout(model, tasks, tok, cfg, 0)
+
+
+# ---- quantisation-aware training: the trainer computes with the sampler's weights
+def _qat_model():
+    torch.manual_seed(0)
+    return arl.TinyAgent(20, d_model=64, n_layers=1, n_heads=2, max_len=16)
+
+
+@pytest.mark.parametrize('fmt', ['mxfp4', 'nvfp4', 'mxfp8', 'fp8_e4m3', 'fp32'])
+def test_trainer_weight_is_the_formats_rounding(fmt):
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(arl.trainer_weight(w, fmt),
+                       arl.quantize_weight(w, fmt).dequantize())
+
+
+@pytest.mark.parametrize('fmt', ['mxfp4', 'nvfp4'])
+def test_quantization_aware_forward_is_the_samplers_and_trains_the_master(fmt):
+    model = _qat_model()
+    ids = torch.randint(0, 20, (3, 12), generator=torch.Generator().manual_seed(2))
+    sampler = arl.quantize_model(model, fmt)
+    n_params = len(list(model.parameters()))
+    with arl.quantization_aware(model, fmt) as trainer:
+        assert trainer is model and len(list(model.parameters())) == n_params
+        assert torch.equal(model(ids), sampler(ids))            # the same weights
+        model(ids).square().mean().backward()
+        masters = {n: p for n, p in model.named_parameters() if 'original' in n}
+        grads = {n: p.grad.clone() for n, p in masters.items()}
+    # straight through: the master's gradient is the gradient at the rounded weight
+    plain = copy.deepcopy(model)                    # on exit: rounded, plain Linear
+    assert all(type(m) is torch.nn.Linear for m in plain.modules()
+               if isinstance(m, torch.nn.Linear))
+    assert torch.equal(plain(ids), sampler(ids))
+    plain(ids).square().mean().backward()
+    for name, g in grads.items():
+        module = name.split('.parametrizations')[0]
+        assert torch.allclose(g, plain.get_submodule(module).weight.grad, atol=1e-7)
+    with pytest.raises(ValueError, match='fmt'):
+        with arl.quantization_aware(_qat_model(), 'int3'):
+            pass
+
+
+def test_quantization_aware_updates_move_the_master_not_the_rounding():
+    model = _qat_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, 20, (3, 12), generator=torch.Generator().manual_seed(3))
+    with arl.quantization_aware(model, 'mxfp4'):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        model(ids).square().mean().backward()
+        opt.step()
+        head = model.head.parametrizations.weight
+        assert not torch.equal(head.original, before['head.weight'])   # master moved
+        assert torch.equal(model.head.weight, arl.trainer_weight(head.original, 'mxfp4'))

@@ -20,8 +20,12 @@ import enum
 import gc
 import multiprocessing
 import queue
+import time
 from multiprocessing import shared_memory
 import torch.distributed as dist
+import tempfile
+import torch.nn as nn
+import torch.nn.functional as F
 from crc32c import crc32c
 import functools
 import itertools
@@ -662,7 +666,7 @@ def _only(meta, column, default):
 
 
 def dispatch(meta, segment_tokens, batch_tokens, world_size=2, seed=0,
-             fields=HEAVY_FIELDS, order=None):
+             fields=HEAVY_FIELDS, order=None, context_tokens=0):
     """Plan an epoch from metadata alone -> list of mini-batch dicts.
 
     meta: TrajectoryStore.metadata(). Each trajectory is cut into segments of
@@ -671,17 +675,27 @@ def dispatch(meta, segment_tokens, batch_tokens, world_size=2, seed=0,
     vectorised form) groups them into mini-batches of at most batch_tokens padded
     tokens. order='teacher' orders each mini-batch's segments by the teacher field
     (chapter 17's teacher_order, stable), so that each teacher's head is needed once
-    per mini-batch; None keeps the budget's order. Each mini-batch: segments [k, 3]
-    (trajectory id, start, stop), rank [k] (round robin), reward [k], teacher [k],
-    tokens (their sum), layout {field: (byte offset, [tokens, width])} of one shared
-    buffer holding each field of all segments back to back (fields page-aligned),
-    dtypes {field: numpy dtype}, nbytes.
+    per mini-batch; None keeps the budget's order. order='context' keeps trajectories
+    whole, for context parallelism: trajectories are shuffled, their segments stay in
+    order, mini-batches are filled in that order up to batch_tokens, segment j of a
+    trajectory's run goes to rank j % world_size, and a mini-batch that starts inside
+    a trajectory begins with a context segment, the context_tokens tokens before it
+    (not scored: there to be seen). Each mini-batch: segments [k, 3] (trajectory id,
+    start, stop), rank [k], scored [k] (bool), reward [k], teacher [k], baseline (the
+    mean reward of meta's trajectories), tokens (their sum), layout {field: (byte
+    offset, [tokens, width])} of one shared buffer holding each field of all segments
+    back to back (fields page-aligned), dtypes {field: numpy dtype}, nbytes.
     """
     if segment_tokens < 1 or world_size < 1:
         raise ValueError(f'segment_tokens and world_size must be >= 1, got '
                          f'{segment_tokens}, {world_size}')
-    if order not in (None, 'teacher'):
-        raise ValueError(f"order must be None or 'teacher', got {order!r}")
+    if order not in (None, 'teacher', 'context'):
+        raise ValueError(f"order must be None, 'teacher' or 'context', got {order!r}")
+    if segment_tokens > batch_tokens:
+        raise ValueError(f'segment_tokens must be at most batch_tokens={batch_tokens}, '
+                         f'got {segment_tokens}')
+    if context_tokens < 0:
+        raise ValueError(f'context_tokens must be >= 0, got {context_tokens}')
     ids = np.asarray(meta['id'].to_numpy(), np.int64)
     lengths = np.asarray(meta['length'].to_numpy(), np.int64)
     rewards = np.asarray(meta['reward'].to_numpy(), np.float32)
@@ -694,29 +708,61 @@ def dispatch(meta, segment_tokens, batch_tokens, world_size=2, seed=0,
     first = np.repeat(np.cumsum(counts) - counts, counts)
     start = (np.arange(len(owner)) - first) * segment_tokens
     stop = np.minimum(start + segment_tokens, lengths[owner])
-    perm = np.random.default_rng(seed).permutation(len(owner))        # global shuffle
-    members, bounds = budget_batches(stop[perm] - start[perm], batch_tokens)
-    chosen = perm[members]                                 # mini-batch by mini-batch
-    tokens = np.add.reduceat(stop[chosen] - start[chosen], bounds[:-1]) \
-        if len(chosen) else np.zeros(0, np.int64)
+    baseline = float(rewards.mean()) if len(rewards) else 0.0   # the epoch's mean
+    rng = np.random.default_rng(seed)
+    if order == 'context':
+        batches = _in_trajectory_order(owner, start, stop, counts, batch_tokens,
+                                       context_tokens, world_size, rng)
+    else:
+        perm = rng.permutation(len(owner))                           # global shuffle
+        members, bounds = budget_batches(stop[perm] - start[perm], batch_tokens)
+        batches = []
+        for b in range(len(bounds) - 1):
+            k = perm[members[bounds[b]:bounds[b + 1]]]
+            if order == 'teacher':
+                k = k[arl.teacher_order(teachers[owner[k]]).numpy()]
+            batches.append((owner[k], start[k], stop[k], np.ones(len(k), bool),
+                            np.arange(len(k)) % world_size))
     plan = []
-    for b in range(len(bounds) - 1):
-        k = chosen[bounds[b]:bounds[b + 1]]
-        if order == 'teacher':
-            k = k[arl.teacher_order(teachers[owner[k]]).numpy()]
-        n = int(tokens[b])
+    for own, st, sp, scored, rank in batches:
+        n = int((sp - st).sum())
         layout, offset = {}, 0
         for f in fields:
             width = d if f == 'hidden' else 1
             layout[f] = (offset, (n, width))
             size = n * width * dtypes[f].itemsize
             offset += -(-size // PAGE_SIZE) * PAGE_SIZE
-        plan.append(dict(segments=np.stack([ids[owner[k]], start[k], stop[k]], 1),
-                         rank=np.arange(len(k)) % world_size,
-                         reward=rewards[owner[k]], teacher=teachers[owner[k]],
-                         tokens=n, layout=layout, nbytes=offset,
+        plan.append(dict(segments=np.stack([ids[own], st, sp], 1), rank=rank,
+                         scored=scored, reward=rewards[own], teacher=teachers[own],
+                         baseline=baseline, tokens=n, layout=layout, nbytes=offset,
                          dtypes={f: dtypes[f] for f in fields}))
     return plan
+
+
+def _in_trajectory_order(owner, start, stop, counts, batch_tokens, context_tokens,
+                         world_size, rng):
+    """dispatch(order='context')'s mini-batches -> list of (owner, start, stop, scored,
+    rank) arrays: whole trajectories shuffled, segments in order, filled up to
+    batch_tokens; a mini-batch starting inside a trajectory gets a context segment."""
+    firsts = np.cumsum(counts) - counts
+    seq = np.concatenate([np.arange(firsts[t], firsts[t] + counts[t])
+                          for t in rng.permutation(len(counts))] + [np.zeros(0, int)])
+    batches, k0, used = [], 0, 0
+    for i, n in enumerate((stop[seq] - start[seq]).tolist() + [batch_tokens + 1]):
+        if used + n > batch_tokens and i > k0:                 # close seq[k0:i]
+            k = seq[k0:i]
+            own, st, sp = owner[k], start[k], stop[k]
+            scored = np.ones(len(k), bool)
+            c = min(context_tokens, int(st[0]))
+            if c:                                              # the tokens before it
+                own, st, sp = np.r_[own[0], own], np.r_[st[0] - c, st], np.r_[st[0], sp]
+                scored = np.r_[False, scored]
+            run = np.flatnonzero(np.r_[True, own[1:] != own[:-1]])   # runs' first rows
+            j = np.arange(len(own)) - np.repeat(run, np.diff(np.r_[run, len(own)]))
+            batches.append((own, st, sp, scored, j % world_size))
+            k0, used = i, 0
+        used += n
+    return batches
 
 
 def batch_views(buf, batch):
@@ -737,15 +783,16 @@ def segment_slices(batch):
     return [slice(int(e - n), int(e)) for e, n in zip(ends, lengths)]
 
 
-def fill_batch(store, batch, views):
+def fill_batch(store, batch, views, members=None):
     """Copy a mini-batch's heavy fields from the store into `views` (batch_views)
-    -> bytes read. Only the segments' token ranges of the planned fields are read."""
+    -> bytes read. Only the token ranges of the segments (all, or the indices in
+    members) of the planned fields are read."""
     before = store.counters['heavy_bytes']
-    seg = batch['segments']
+    members = range(len(batch['segments'])) if members is None else list(members)
+    seg, slices = batch['segments'][members], segment_slices(batch)
     for f in batch['layout']:
-        for sl, got in zip(segment_slices(batch),
-                           store.read(seg[:, 0], [f], seg[:, 1:].tolist())):
-            views[f][sl] = got[f]
+        for j, got in zip(members, store.read(seg[:, 0], [f], seg[:, 1:].tolist())):
+            views[f][slices[j]] = got[f]
     return store.counters['heavy_bytes'] - before
 
 
@@ -896,14 +943,18 @@ def _loader_rank(rank, world_size, init_path, root, d, inbox, outbox, consume,
                 gc.collect()
                 outbox.put((LoaderMessage.RESET, rank))
                 continue
-            step, name, batch = msg
+            step, (loader, name), batch = msg
             k = len(batch['segments'])
-            members = (range(k) if consume == 'touch' else
+            members = (range(k) if consume in ('touch', 'context') else
                        [j for j in range(k) if batch['rank'][j] == rank])
-            before = store.counters['heavy_bytes']
-            if name is None:                                  # the naive loader
-                shm, views = None, _naive_views(store, cache, batch, members)
-            else:
+            before, shm, own = store.counters['heavy_bytes'], None, None
+            if loader == 'naive':                  # whole trajectories, kept
+                views = _naive_views(store, cache, batch, members)
+            elif loader == 'per-rank':             # its own copy of the ranges, in an
+                own = mmap.mmap(-1, max(batch['nbytes'], 1))    # anonymous mapping:
+                views = batch_views(own, batch)    # unmapped, not kept by malloc, on
+                fill_batch(store, batch, views, members)        # close()
+            else:                                  # 'shared': a view of the one copy
                 shm = shared_memory.SharedMemory(name=name)
                 views = batch_views(shm.buf, batch)
             read = store.counters['heavy_bytes'] - before
@@ -911,8 +962,9 @@ def _loader_rank(rank, world_size, init_path, root, d, inbox, outbox, consume,
             outbox.put((LoaderMessage.HOLDING, rank, step))
             inbox.get()                                 # GO: memory has been measured
             del views
-            if shm is not None:
-                shm.close()
+            for buffer in (shm, own):
+                if buffer is not None:
+                    buffer.close()
             outbox.put((LoaderMessage.DONE, rank, step, read, result))
     finally:
         dist.destroy_process_group()
@@ -920,45 +972,63 @@ def _loader_rank(rank, world_size, init_path, root, d, inbox, outbox, consume,
 
 def _consume(views, batch, members, rank, consume, model, row_tokens):
     """What a rank does with its views: 'touch' sums every segment (segment_digest) and
-    all-reduces a count; 'train' computes its packed loss and gradient and all-reduces
-    both -> the rank's result."""
+    all-reduces a count; 'train' computes its packed loss (packed_segment_loss),
+    'context' its share of the context-parallel loss (context_segment_loss, section 4),
+    and its gradient, and all-reduces both -> the rank's result."""
     if consume == 'touch':
         result = [segment_digest(views, batch, j) for j in members]
         count = torch.tensor([sum(r[0] for r in result)], dtype=torch.float64)
         dist.all_reduce(count)
         return result
     model.zero_grad()
-    loss = packed_segment_loss(model, views, batch, rank, row_tokens)
-    loss.backward()
-    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    if consume == 'train':
+        loss = packed_segment_loss(model, views, batch, rank, row_tokens)
+    else:
+        loss = context_segment_loss(model, views, batch, rank, dist.get_world_size())
+    if loss.requires_grad:                      # False if no token was this rank's
+        loss.backward()
+    grad = torch.cat([torch.zeros_like(p).flatten() if p.grad is None
+                      else p.grad.flatten() for p in model.parameters()])
     total = loss.detach().clone()
     dist.all_reduce(total)
     dist.all_reduce(grad)
     return loss.item(), total.item(), grad.numpy() if rank == 0 else None
 
 
-def run_loader(root, d, runs, consume='touch', model_path=None, row_tokens=256,
-               prefetch=False, timeout=120):
-    """Run epochs through the shared-memory loader (2 workers, 2 gloo ranks) or the
-    naive per-rank loader, in the same four processes -> one dict(baseline, steps) per
-    run.
+LOADERS = ('shared', 'per-rank', 'naive')
 
-    runs: list of dict(plan=dispatch(...), naive=bool). Shared: a worker fills each
-    mini-batch into shared memory once (with prefetch, the other worker fills the next
-    one meanwhile), both ranks consume views of it, and while they hold them the memory
-    of the four processes is measured (peak); then the ranks drop their views, the
-    worker unlinks the segment and memory is measured again (after). Naive: each rank
-    loads the whole trajectories it needs and keeps them. baseline: the memory before
-    the run's first mini-batch. steps[s]: dict(peak, after (memory_of dicts),
-    worker_bytes, worker_pages, rank_bytes, results (per rank)).
+
+def run_loader(root, d, runs, consume='touch', model_path=None, row_tokens=256,
+               depth=1, timeout=120):
+    """Run epochs through one of three loaders in the same four processes (2 workers,
+    2 gloo ranks) -> one dict(baseline, seconds, steps) per run.
+
+    runs: list of dict(plan=dispatch(...), loader=one of LOADERS (default 'shared'),
+    depth=int (default `depth`)). 'shared': a worker fills each mini-batch into shared
+    memory once, both ranks consume views of it; up to `depth` mini-batches are in
+    shared memory at once (depth - 1 filled ahead, the two workers taking turns).
+    'per-rank': each rank reads the ranges it consumes into its own buffer and frees it
+    after the step (the fair baseline: one copy per rank). 'naive': each rank loads the
+    whole trajectories it needs and keeps them (a strawman). While the ranks hold a
+    step's views the memory of the four processes is measured (peak); after they drop
+    them (and the worker unlinks the segment) again (after). baseline: the memory before
+    the run's first mini-batch; seconds: the run's wall time. steps[s]: dict(peak, after
+    (memory_of dicts), worker_bytes, worker_pages, rank_bytes, results (per rank)).
     """
-    if consume not in ('touch', 'train'):
-        raise ValueError(f"consume must be 'touch' or 'train', got {consume!r}")
+    if consume not in ('touch', 'train', 'context'):
+        raise ValueError(f"consume must be 'touch', 'train' or 'context', got "
+                         f"{consume!r}")
+    for run in runs:
+        if run.get('loader', 'shared') not in LOADERS:
+            raise ValueError(f"loader must be one of {LOADERS}, got {run['loader']!r}")
+        k = run.get('depth', depth)
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f'depth must be an int >= 1, got {k!r}')
     loader = _Loader(str(root), d, consume, model_path, row_tokens, timeout)
     try:
         loader.pids = [m[2] for m in loader.expect(LoaderMessage.UP, 4)]
-        return [loader.epoch(k, run['plan'], run.get('naive', False), prefetch)
-                for k, run in enumerate(runs)]
+        return [loader.epoch(k, run['plan'], run.get('loader', 'shared'),
+                             run.get('depth', depth)) for k, run in enumerate(runs)]
     finally:
         loader.stop()
 
@@ -983,10 +1053,11 @@ class _Loader:
         for p in self.procs:
             p.start()
 
-    def expect(self, kind, n):
-        """The next n messages of `kind` (others are kept for later); RuntimeError if a
-        process has failed or none came for `timeout` seconds."""
-        got = [m for m in self.stash if m[0] == kind][:n]
+    def expect(self, kind, n, step=None):
+        """The next n messages of `kind` (about `step`, if given; others are kept for
+        later); RuntimeError if a process has failed or none came for `timeout` s."""
+        wanted = lambda m: m[0] == kind and (step is None or m[1] == step)
+        got = [m for m in self.stash if wanted(m)][:n]
         for m in got:
             self.stash.remove(m)
         waited = 0
@@ -1001,47 +1072,47 @@ class _Loader:
                                        f'{waited} s (processes that failed: {dead})'
                                        ) from None
                 continue
-            (got if m[0] == kind else self.stash).append(m)
+            (got if wanted(m) else self.stash).append(m)
         return got
 
     def fill(self, s, plan, prefix):
         """Ask worker s % 2 to fill mini-batch s into the shared segment prefix-s."""
         self.workers[s % 2].put((LoaderMessage.FILL, s, plan[s], f'{prefix}-{s}'))
 
-    def epoch(self, k, plan, naive, prefetch):
-        """Run k: every mini-batch of `plan` -> dict(baseline, steps)."""
+    def epoch(self, k, plan, loader, depth):
+        """Run k: every mini-batch of `plan` -> dict(baseline, seconds, steps)."""
         prefix = f'arl{os.getpid()}x{k}x{id(plan) % 10**6}'
         for inbox in self.ranks:
             inbox.put(LoaderMessage.RESET)
         self.expect(LoaderMessage.RESET, 2)
-        baseline = memory_of(self.pids)
-        if not naive and plan:
-            self.fill(0, plan, prefix)
-        steps = [self.step(s, plan, prefix, naive, prefetch) for s in range(len(plan))]
-        return dict(baseline=baseline, steps=steps)
+        baseline, start = memory_of(self.pids), time.perf_counter()
+        shared = loader == 'shared'
+        for s in range(min(depth, len(plan)) if shared else 0):
+            self.fill(s, plan, prefix)
+        steps = [self.step(s, plan, prefix, loader, depth) for s in range(len(plan))]
+        return dict(baseline=baseline, seconds=time.perf_counter() - start, steps=steps)
 
-    def step(self, s, plan, prefix, naive, prefetch):
+    def step(self, s, plan, prefix, loader, depth):
         """Mini-batch s: hand it to the ranks, measure memory while they hold it
-        (peak) and after it is released (after) -> the step's dict."""
+        (peak) and after it is released (after), then ask for mini-batch s + depth
+        -> the step's dict."""
         name, wbytes, wpages = None, 0, 0
-        if not naive:
-            (_, _, wbytes, wpages), = self.expect(LoaderMessage.READY, 1)
+        if loader == 'shared':
+            (_, _, wbytes, wpages), = self.expect(LoaderMessage.READY, 1, step=s)
             name = f'{prefix}-{s}'
-            if prefetch and s + 1 < len(plan):
-                self.fill(s + 1, plan, prefix)
         for inbox in self.ranks:
-            inbox.put((s, name, plan[s]))
+            inbox.put((s, (loader, name), plan[s]))
         self.expect(LoaderMessage.HOLDING, 2)
         peak = memory_of(self.pids)
         for inbox in self.ranks:
             inbox.put(LoaderMessage.GO)
         done = sorted(self.expect(LoaderMessage.DONE, 2), key=lambda m: m[1])
-        if not naive:
+        if loader == 'shared':
             self.workers[s % 2].put((LoaderMessage.RELEASE, s))
-            self.expect(LoaderMessage.RELEASED, 1)
-        after = memory_of(self.pids)     # without prefetch, no mini-batch is alive
-        if not naive and not prefetch and s + 1 < len(plan):
-            self.fill(s + 1, plan, prefix)
+            self.expect(LoaderMessage.RELEASED, 1, step=s)
+        after = memory_of(self.pids)     # with depth 1, no mini-batch is alive
+        if loader == 'shared' and s + depth < len(plan):
+            self.fill(s + depth, plan, prefix)
         return dict(peak=peak, after=after, worker_bytes=wbytes, worker_pages=wpages,
                     rank_bytes=[m[3] for m in done], results=[m[4] for m in done])
 
@@ -1054,6 +1125,293 @@ class _Loader:
             if p.exitcode is None:
                 p.kill()
         self.init_path.unlink(missing_ok=True)
+
+
+def loader_depth(plan, memory_budget, step_seconds=None, tolerance=0.05):
+    """How many mini-batches the shared loader keeps on a node at once (its depth).
+
+    From the plan alone, metadata only: a depth fits when depth x the plan's largest
+    mini-batch (nbytes) is within memory_budget bytes; ValueError if not even one
+    fits. Without measurements -> the largest depth that fits. With step_seconds
+    {depth: seconds per step, measured} -> the smallest depth that fits whose step
+    time is within `tolerance` of the fastest measured depth that fits."""
+    largest = max((b['nbytes'] for b in plan), default=0)
+    if largest > memory_budget:
+        raise ValueError(f'memory_budget={memory_budget} bytes holds no mini-batch of '
+                         f'this plan (the largest has {largest} bytes)')
+    fits = memory_budget // largest if largest else 1
+    if step_seconds is None:
+        return int(fits)
+    allowed = {k: t for k, t in step_seconds.items() if k <= fits}
+    if not allowed:
+        raise ValueError(f'no measured depth fits: depths {sorted(step_seconds)}, '
+                         f'at most {fits} fit')
+    best = min(allowed.values())
+    return min(k for k, t in allowed.items() if t <= (1 + tolerance) * best)
+
+
+# -------- 4. A training step: the loader's bytes, and each segment's context
+
+def rotate(x, positions):
+    """Rotary positions (Su et al. 2021): x [H, T, dh] with each pair (x_i, x_{i+dh/2})
+    turned by the angle position * 10000^(-2i/dh) -> [H, T, dh]. Angles in float64, so
+    position 1,000,000 is as exact as position 10."""
+    half = x.shape[-1] // 2
+    freq = 10000.0 ** (-torch.arange(half, dtype=torch.float64) / half)
+    angle = positions.to(torch.float64)[:, None] * freq                 # [T, half]
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+def window_attention(q, keys, values, window):
+    """Causal attention over a sliding window: query t sees the `window` keys ending at
+    its own. q: [H, T, dh], the segment's queries; keys, values: [H, P + T, dh], the P
+    positions before the segment (P < window) then the segment's own -> [H, T, dh].
+    Queries go in blocks of `window`, each against the two key blocks that can hold its
+    window, so the cost is O(T * window), whatever T is."""
+    H, T, dh = q.shape
+    P, W = keys.shape[1] - T, window
+    n = -(-T // W)                                          # query blocks
+    pad = (0, 0, W - P, n * W - T)                          # front: W keys before
+    k = F.pad(keys, pad).view(H, n + 1, W, dh)
+    v = F.pad(values, pad).view(H, n + 1, W, dh)
+    k = torch.cat([k[:, :-1], k[:, 1:]], 2)                 # [H, n, 2W, dh]
+    v = torch.cat([v[:, :-1], v[:, 1:]], 2)
+    qb = F.pad(q, (0, 0, 0, n * W - T)).view(H, n, W, dh)
+    i, j = torch.arange(W)[:, None], torch.arange(2 * W)[None, :]
+    seen = (j > i) & (j <= i + W)                           # [W, 2W]: the window
+    real = torch.arange(n)[:, None] * W + j >= W - P        # [n, 2W]: not padding
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=seen & real[:, None])
+    return out.reshape(H, n * W, dh)[:, :T]
+
+
+class WindowedBlock(nn.Module):
+    """A pre-norm transformer block with rotary positions and windowed attention."""
+
+    def __init__(self, d_model, n_heads, window):
+        super().__init__()
+        self.n_heads, self.window = n_heads, window
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                 nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x, positions, past):
+        """x [T, d], positions [T], past (keys, values) [H, P, dh] -> (x [T, d], the
+        keys and values of the last window - 1 positions, for the next segment)."""
+        T, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(T, 3, self.n_heads, -1).permute(1, 2, 0, 3)
+        keys = torch.cat([past[0], rotate(k, positions)], 1)       # [H, P + T, dh]
+        values = torch.cat([past[1], v], 1)
+        a = window_attention(rotate(q, positions), keys, values, self.window)
+        x = x + self.proj(a.transpose(0, 1).reshape(T, d))
+        x = x + self.mlp(self.ln2(x))
+        keep = min(self.window - 1, keys.shape[1])
+        return x, (keys[:, keys.shape[1] - keep:], values[:, keys.shape[1] - keep:])
+
+
+class WindowedAgent(nn.Module):
+    """A decoder whose positions never run out: rotary positions and attention over a
+    sliding window of `window` tokens in every layer (as Mistral 7B and Gemma 2's local
+    layers do), for one sequence at a time. Token t's logits depend on tokens
+    t - context .. t only, context = n_layers * (window - 1). Chapter 3's TinyAgent
+    keeps its learned positions; this model is the one for a million tokens."""
+
+    def __init__(self, vocab_size, d_model=32, n_layers=2, n_heads=2, window=32):
+        super().__init__()
+        if d_model % (2 * n_heads):
+            raise ValueError(f'd_model must be a multiple of 2 * n_heads (rotary '
+                             f'pairs), got d_model={d_model}, n_heads={n_heads}')
+        if window < 2:
+            raise ValueError(f'window must be at least 2, got {window}')
+        self.window, self.n_heads = window, n_heads
+        self.context = n_layers * (window - 1)
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.blocks = nn.ModuleList(WindowedBlock(d_model, n_heads, window)
+                                    for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def empty_cache(self):
+        """Nothing before the first token -> per layer (keys, values) [H, 0, dh]."""
+        d = self.embed.embedding_dim
+        z = self.embed.weight.new_zeros(self.n_heads, 0, d // self.n_heads)
+        return [(z, z)] * len(self.blocks)
+
+    def cache_shapes(self, seen):
+        """The shapes of the cache handed to a segment after `seen` tokens -> [keys,
+        values] * n_layers shapes: [H, min(window - 1, seen), dh]."""
+        d = self.embed.embedding_dim
+        shape = (self.n_heads, min(self.window - 1, seen), d // self.n_heads)
+        return [shape, shape] * len(self.blocks)
+
+    def forward(self, ids, start=0, cache=None):
+        """ids [T] at positions start .. start + T - 1; cache: what the previous
+        segment returned (None: nothing before) -> (logits [T, V], the cache for the
+        next segment)."""
+        cache = self.empty_cache() if cache is None else cache
+        positions = torch.arange(start, start + len(ids))
+        x, new = self.embed(ids), []
+        for block, past in zip(self.blocks, cache):
+            x, kv = block(x, positions, past)
+            new.append(kv)
+        return self.head(self.norm(x)), new
+
+
+class _HandOver(torch.autograd.Function):
+    """Send a segment's cache to the rank of the next segment; in backward, receive the
+    gradient of that cache from there. Returns a zero the caller adds to its output,
+    so that backward passes through here."""
+
+    @staticmethod
+    def forward(ctx, dst, *tensors):
+        ctx.dst, ctx.like = dst, [(t.shape, t.dtype) for t in tensors]
+        for t in tensors:
+            dist.send(t.detach().contiguous(), dst)
+        return tensors[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        grads = [torch.empty(shape, dtype=dtype) for shape, dtype in ctx.like]
+        for g in grads:
+            dist.recv(g, ctx.dst)
+        return (None, *grads)
+
+
+class _TakeOver(torch.autograd.Function):
+    """Receive the cache of the previous segment from its rank; in backward, send the
+    gradient of that cache back. anchor: any tensor that requires grad, so that the
+    received cache is part of the graph."""
+
+    @staticmethod
+    def forward(ctx, src, anchor, *shapes):
+        ctx.src = src
+        tensors = [torch.empty(s, dtype=anchor.dtype) for s in shapes]
+        for t in tensors:
+            dist.recv(t, src)
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for g in grads:
+            dist.send(g.contiguous(), ctx.src)
+        return (None, None) + (None,) * len(grads)
+
+
+def context_parallel_log_probs(model, ids, segment_tokens, start=0, rank=0,
+                               world_size=1):
+    """log pi(ids[t+1] | ids[..t]) for t < T - 1, computed segment by segment ->
+    logp [T - 1].
+
+    ids [T]: one sequence at positions start ..; segment_tokens: the segments' length
+    (the last one shorter), or a list of their lengths (summing to T). Segment i is
+    computed by rank i % world_size, handed the keys and values of the window - 1
+    positions before it (every layer's) by the rank of segment i - 1, as context
+    parallelism does; the gradient of that hand-over flows back in backward, so every
+    segment's loss reaches the tokens before it. With world_size > 1 (torch.distributed
+    initialised, every rank calling with the same ids), each rank returns zeros at the
+    other ranks' positions: the ranks' results sum to the whole. A token's log-prob is
+    exact once it has model.context tokens before it in ids (its whole window)."""
+    T, out, cache = len(ids), [], None
+    if isinstance(segment_tokens, (int, np.integer)):
+        if segment_tokens < 1:
+            raise ValueError(f'segment_tokens must be at least 1, got {segment_tokens}')
+        n = int(segment_tokens)
+        segment_tokens = [n] * (T // n) + [T % n] * (T % n > 0)
+    ends = np.cumsum([0] + [int(n) for n in segment_tokens])
+    if ends[-1] != T or min(segment_tokens, default=1) < 1:
+        raise ValueError(f'segment_tokens must be positive lengths summing to '
+                         f'len(ids)={T}, got {segment_tokens}')
+    zero = model.head.weight.new_zeros(())
+    for i, (a, b) in enumerate(zip(ends[:-1].tolist(), ends[1:].tolist())):
+        n = min(b, T - 1) - a                      # the log-probs this segment gives
+        if i % world_size != rank:
+            out.append(model.head.weight.new_zeros(n))
+            continue
+        if world_size > 1 and i > 0:
+            flat = _TakeOver.apply((rank - 1) % world_size, model.head.weight,
+                                   *model.cache_shapes(a))
+            cache = list(zip(flat[0::2], flat[1::2]))
+        logits, cache = model(ids[a:b], start + a, cache)
+        logp = F.log_softmax(logits[:n], -1)
+        out.append(logp.gather(-1, ids[a + 1:a + 1 + n, None])[:, 0])
+        if world_size > 1 and b < T:
+            flat = [t for kv in cache for t in kv]
+            zero = zero + _HandOver.apply((rank + 1) % world_size, *flat)
+    return torch.cat(out) + zero
+
+
+def context_segment_loss(model, views, batch, rank, world_size):
+    """Section 4's REINFORCE loss with every segment seen in its context: each run of
+    consecutive segments of one trajectory in the mini-batch (dispatch with
+    order='context') is scored by context_parallel_log_probs, its segment j on rank
+    j % world_size (batch['rank']); the sampled tokens of scored segments are weighted
+    by the trajectory's reward minus the epoch's mean (batch['baseline']: a mini-batch
+    may hold one trajectory), and the sum is divided by the scored segments' token
+    count -> scalar tensor, this rank's share (the ranks' losses add up, and so do
+    their gradients). views: as for packed_segment_loss, with every segment."""
+    seg, scored = batch['segments'], np.asarray(batch['scored'])
+    slices = segment_slices(batch)
+    lengths = seg[:, 2] - seg[:, 1]
+    adv = batch['reward'] - np.float32(batch['baseline'])
+    firsts = np.flatnonzero(np.r_[True, seg[1:, 0] != seg[:-1, 0]])
+    loss = model.head.weight.new_zeros(())
+    for a, b in zip(firsts.tolist(), np.r_[firsts[1:], len(seg)].tolist()):
+        run = slice(slices[a].start, slices[b - 1].stop)
+        ids = torch.from_numpy(views['tokens'][run].astype(np.int64))
+        logp = context_parallel_log_probs(model, ids, lengths[a:b].tolist(),
+                                          int(seg[a, 1]), rank, world_size)
+        weight = np.repeat(adv[a:b] * scored[a:b], lengths[a:b])[1:] \
+            * views['mask'][run][1:]                                     # [T - 1]
+        loss = loss - (torch.from_numpy(weight).to(logp.dtype) * logp).sum()
+    return loss / lengths[scored].sum()
+
+
+def _context_parallel_rank(rank, world_size, init_path, model, ids, segment_tokens,
+                           start, weights, outbox):
+    """One rank of run_context_parallel: its segments, backward of the weighted sum of
+    log-probs, then the ranks' log-probs and gradients summed (all-reduce)."""
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', init_method=f'file://{init_path}', rank=rank,
+                            world_size=world_size)
+    try:
+        logp = context_parallel_log_probs(model, ids, segment_tokens, start, rank,
+                                          world_size)
+        (logp * weights).sum().backward()
+        grads = [p.grad.flatten() for p in model.parameters()]
+        flat = torch.cat([logp.detach()] + grads)
+        dist.all_reduce(flat)
+        if rank == 0:
+            outbox.put(flat)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_context_parallel(model, ids, segment_tokens, weights, start=0, world_size=2):
+    """context_parallel_log_probs on world_size gloo ranks (processes), each computing
+    its segments and the backward of sum(weights * logp) -> (logp [T - 1], gradients:
+    one tensor per parameter of model), both summed over the ranks."""
+    ctx = multiprocessing.get_context('forkserver')
+    ctx.set_forkserver_preload(['agentrl'])
+    outbox = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix='cp-') as folder:
+        init = Path(folder) / 'gloo'
+        procs = [ctx.Process(target=_context_parallel_rank, args=(
+            r, world_size, str(init), model, ids, segment_tokens, start, weights,
+            outbox)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        flat = outbox.get(timeout=600)
+        for p in procs:
+            p.join()
+    logp, grads = flat[:len(ids) - 1], []
+    offset = len(ids) - 1
+    for p in model.parameters():
+        grads.append(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return logp, grads
 
 
 # -------- 5. The write-ahead log at a million tokens
@@ -1775,7 +2133,16 @@ __all__ = [
     'packed_segment_loss',
     'segment_digest',
     'LoaderMessage',
+    'LOADERS',
     'run_loader',
+    'loader_depth',
+    'rotate',
+    'window_attention',
+    'WindowedBlock',
+    'WindowedAgent',
+    'context_parallel_log_probs',
+    'context_segment_loss',
+    'run_context_parallel',
     'crc32c_tables',
     'crc32c_rows',
     'RecordTable',

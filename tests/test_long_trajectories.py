@@ -190,13 +190,20 @@ def test_loader_releases_and_matches_naive(tmp_path):
     store, _ = make_store(tmp_path, lengths=(3000, 2000, 2500))
     plan = arl.dispatch(store.metadata(), 500, 2000, seed=0)
     before = _shm_names()
-    out = arl.run_loader(tmp_path, D, [dict(plan=plan), dict(plan=plan, naive=True),
-                                       dict(plan=plan)], prefetch=True)
+    out = arl.run_loader(tmp_path, D, [dict(plan=plan), dict(plan=plan, loader='naive'),
+                                       dict(plan=plan), dict(plan=plan, loader='per-rank'),
+                                       dict(plan=plan, depth=3)], depth=2)
     assert _shm_names() - before == set()                      # every segment unlinked
-    shared, naive, again = out
+    shared, naive, again, own, deep = out
     results = [s['results'] for s in shared['steps']]
     assert results == [s['results'] for s in naive['steps']]   # the same bytes
     assert results == [s['results'] for s in again['steps']]   # deterministic
+    assert results == [s['results'] for s in own['steps']]
+    assert results == [s['results'] for s in deep['steps']]
+    # per rank: each rank reads exactly the ranges of the mini-batch, every step
+    for s, b in zip(own['steps'], plan):
+        assert s['rank_bytes'] == [b['tokens'] * PER_TOKEN] * 2 and s['worker_bytes'] == 0
+    assert all(r['seconds'] > 0 for r in out)
     for s, b in zip(shared['steps'], plan):
         assert s['worker_bytes'] == b['tokens'] * PER_TOKEN
         assert s['rank_bytes'] == [0, 0]                       # ranks read only views
@@ -208,6 +215,23 @@ def test_loader_releases_and_matches_naive(tmp_path):
         2 * (3000 + 2000 + 2500) * PER_TOKEN
     with pytest.raises(ValueError, match='consume'):
         arl.run_loader(tmp_path, D, [], consume='eat')
+    with pytest.raises(ValueError, match='loader'):
+        arl.run_loader(tmp_path, D, [dict(plan=plan, loader='mmap')])
+    with pytest.raises(ValueError, match='depth'):
+        arl.run_loader(tmp_path, D, [dict(plan=plan)], depth=0)
+
+
+def test_loader_depth_caps_by_memory_and_picks_the_smallest_fast_depth():
+    plan = [dict(nbytes=100), dict(nbytes=250), dict(nbytes=40)]
+    assert arl.loader_depth(plan, 250) == 1 and arl.loader_depth(plan, 1000) == 4
+    times = {1: 1.0, 2: 0.70, 3: 0.68, 4: 0.60, 5: 0.1}
+    assert arl.loader_depth(plan, 1000, times) == 4          # 5 does not fit
+    assert arl.loader_depth(plan, 750, times) == 2           # 0.70 <= 1.05 * 0.68
+    assert arl.loader_depth(plan, 750, times, tolerance=0.01) == 3
+    with pytest.raises(ValueError, match='memory_budget'):
+        arl.loader_depth(plan, 249)
+    with pytest.raises(ValueError, match='fits'):
+        arl.loader_depth(plan, 250, {2: 0.5})
 
 
 def _fill(store, batch):
@@ -511,3 +535,200 @@ def test_dispatch_of_many_rows_covers_every_token_within_budget():
     seg = np.concatenate([b['segments'] for b in plan])
     assert (seg[:, 2] - seg[:, 1]).sum() == meta['length'].to_numpy().sum()
     assert all(b['tokens'] <= 2**22 for b in plan)
+
+
+# -------- context parallelism: segments that see their context
+
+def dense_window_attention(q, keys, values, window):
+    """The textbook computation: the full score matrix, masked to each query's window."""
+    H, T, dh = q.shape
+    P = keys.shape[1] - T
+    scores = q @ keys.transpose(1, 2) / dh ** 0.5                 # [H, T, P + T]
+    t, j = torch.arange(T)[:, None] + P, torch.arange(P + T)[None, :]
+    scores = scores.masked_fill(~((j <= t) & (j > t - window)), float('-inf'))
+    return torch.softmax(scores, -1) @ values
+
+
+@pytest.mark.parametrize('P,T,window', [(0, 1, 4), (0, 13, 4), (3, 13, 4), (7, 64, 8),
+                                        (2, 5, 16)])
+def test_window_attention_is_the_dense_masked_softmax(P, T, window):
+    g = torch.Generator().manual_seed(P * 100 + T)
+    q = torch.randn(2, T, 8, generator=g, dtype=torch.float64)
+    kv = torch.randn(2, 2, P + T, 8, generator=g, dtype=torch.float64)
+    got = arl.window_attention(q, kv[0], kv[1], window)
+    assert torch.allclose(got, dense_window_attention(q, kv[0], kv[1], window),
+                          rtol=0, atol=1e-12)
+
+
+def test_rotary_scores_depend_on_distance_only():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 1, 1, 16, generator=g, dtype=torch.float64)
+    score = lambda p, s: float(arl.rotate(q, torch.tensor([p + s]))
+                               @ arl.rotate(k, torch.tensor([p])).transpose(1, 2))
+    assert score(0, 5) == pytest.approx(score(999_990, 5), abs=1e-9)
+    assert score(0, 5) != pytest.approx(score(0, 6), abs=1e-3)
+    x = torch.randn(1, 7, 16, generator=g, dtype=torch.float64)   # rotations keep norms
+    assert torch.allclose(arl.rotate(x, torch.arange(7) * 1000).norm(dim=-1),
+                          x.norm(dim=-1))
+
+
+def windowed_case(dtype=torch.float64, T=300):
+    torch.manual_seed(0)
+    model = arl.WindowedAgent(11, d_model=8, n_layers=2, n_heads=2, window=6).to(dtype)
+    ids = torch.randint(11, (T,))
+    weights = torch.randn(T - 1, dtype=dtype)
+    return model, ids, weights
+
+
+def logp_and_grads(model, ids, weights, segment_tokens, start=0):
+    model.zero_grad()
+    logp = arl.context_parallel_log_probs(model, ids, segment_tokens, start)
+    (logp * weights).sum().backward()
+    return logp.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize('segment_tokens', [1, 5, 64, 100, 299, [1, 37, 100, 162]])
+def test_context_parallel_equals_the_whole_sequence(segment_tokens):
+    model, ids, weights = windowed_case()
+    whole, g_whole = logp_and_grads(model, ids, weights, len(ids))
+    got, g_got = logp_and_grads(model, ids, weights, segment_tokens)
+    assert whole.shape == (len(ids) - 1,)
+    assert torch.allclose(got, whole, rtol=1e-12, atol=1e-12)
+    for a, b in zip(g_got, g_whole):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_whole_sequence_log_probs_are_the_model_forward():
+    model, ids, _ = windowed_case(T=40)
+    logits, _ = model(ids)
+    expected = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
+    assert torch.equal(arl.context_parallel_log_probs(model, ids, 40), expected)
+
+
+def test_a_range_scored_from_its_context_alone_is_exact_and_less_is_not():
+    model, ids, _ = windowed_case()
+    C, a = model.context, 200
+    with torch.no_grad():
+        whole = arl.context_parallel_log_probs(model, ids, 64)
+        deep = arl.context_parallel_log_probs(model, ids[a - C:], 64, start=a - C)
+        short = arl.context_parallel_log_probs(model, ids[a - C + 1:], 64,
+                                               start=a - C + 1)
+    assert torch.allclose(deep[C:], whole[a:], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(short[C - 1], whole[a], rtol=1e-6, atol=1e-6)
+
+
+def test_segments_scored_alone_are_wrong_after_each_cut():
+    model, ids, _ = windowed_case()
+    with torch.no_grad():
+        whole = arl.context_parallel_log_probs(model, ids, len(ids))
+        alone = arl.context_parallel_log_probs(model, ids[100:], 200)
+    assert not torch.allclose(alone[:model.context], whole[100:100 + model.context])
+    assert torch.allclose(alone[model.context:], whole[100 + model.context:],
+                          rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize('world_size,segment_tokens', [(2, 64), (3, 50)])
+def test_context_parallel_on_gloo_ranks_equals_one_process(world_size, segment_tokens):
+    model, ids, weights = windowed_case(T=260)
+    whole, g_whole = logp_and_grads(model, ids, weights, len(ids))
+    got, g_got = arl.run_context_parallel(model, ids, segment_tokens, weights,
+                                          world_size=world_size)
+    assert torch.allclose(got, whole, rtol=1e-12, atol=1e-12)
+    for a, b in zip(g_got, g_whole):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_windowed_agent_and_context_parallel_reject_bad_sizes():
+    with pytest.raises(ValueError, match='n_heads'):
+        arl.WindowedAgent(11, d_model=6, n_heads=2)
+    with pytest.raises(ValueError, match='window'):
+        arl.WindowedAgent(11, window=1)
+    model, ids, _ = windowed_case(T=20)
+    with pytest.raises(ValueError, match='segment_tokens'):
+        arl.context_parallel_log_probs(model, ids, 0)
+    with pytest.raises(ValueError, match='summing to len'):
+        arl.context_parallel_log_probs(model, ids, [10, 5])
+    with pytest.raises(ValueError, match='positive'):
+        arl.context_parallel_log_probs(model, ids, [25, 0, -5])
+
+
+def test_dispatch_in_context_order_keeps_trajectories_whole_and_in_order(tmp_path):
+    store, _ = make_store(tmp_path, lengths=(700, 1500, 64, 333))
+    meta = store.metadata()
+    plan = arl.dispatch(meta, 100, 350, world_size=3, seed=2, order='context',
+                        context_tokens=20)
+    lengths = dict(zip(meta['id'].to_pylist(), meta['length'].to_pylist()))
+    seen, order = {t: 0 for t in lengths}, []
+    for b in plan:
+        seg, scored = b['segments'], b['scored']
+        n = seg[:, 2] - seg[:, 1]
+        assert n[scored].sum() <= 350 and b['tokens'] == n.sum()
+        assert b['baseline'] == pytest.approx(np.mean(meta['reward'].to_pylist()))
+        if not scored[0]:                    # a context segment: the tokens just before
+            assert scored[1:].all() and seg[0, 0] == seg[1, 0]
+            assert seg[0, 2] == seg[1, 1] > 0 and n[0] == min(20, seg[1, 1])
+        else:
+            assert seg[0, 1] == 0           # or the batch starts a trajectory
+        first = np.flatnonzero(np.r_[True, seg[1:, 0] != seg[:-1, 0]])
+        in_run = np.arange(len(seg)) - np.repeat(first, np.diff(np.r_[first, len(seg)]))
+        assert (b['rank'] == in_run % 3).all()
+        for t, a, z in seg[scored]:
+            assert a == seen[t]              # in order, each token once
+            seen[t] = z
+            if not order or order[-1] != t:
+                order.append(t)
+    assert seen == lengths and len(order) == len(lengths)   # whole trajectories
+    with pytest.raises(ValueError, match='order'):
+        arl.dispatch(meta, 100, 350, order='random')
+    with pytest.raises(ValueError, match='context_tokens'):
+        arl.dispatch(meta, 100, 350, order='context', context_tokens=-1)
+
+
+def test_context_segment_loss_over_steps_is_the_whole_trajectory_loss(tmp_path):
+    torch.manual_seed(0)
+    model = arl.WindowedAgent(52, d_model=8, n_layers=2, n_heads=2, window=6).double()
+    store, trajs = make_store(tmp_path, lengths=(900, 260))
+    meta = store.metadata()
+    plan = arl.dispatch(meta, 64, 300, seed=0, order='context',
+                        context_tokens=model.context)
+    assert sum(not b['scored'][0] for b in plan) >= 2     # steps start mid-trajectory
+    total = 0.0
+    for b in plan:
+        views = {f: np.concatenate([store.read([t], [f], [(a, z)])[0][f]
+                                    for t, a, z in b['segments']])
+                 for f in arl.HEAVY_FIELDS}
+        n = (b['segments'][:, 2] - b['segments'][:, 1])[b['scored']].sum()
+        with torch.no_grad():
+            total += float(arl.context_segment_loss(model, views, b, 0, 1)) * n
+    expected = 0.0
+    for t in trajs:                       # each trajectory in one piece
+        ids = torch.from_numpy(np.asarray(t['tokens'], np.int64))
+        with torch.no_grad():
+            logp = arl.context_parallel_log_probs(model, ids, len(ids))
+        adv = t['reward'] - plan[0]['baseline']
+        mask = torch.from_numpy(np.asarray(t['mask'][1:], np.float64))
+        expected -= adv * float((mask * logp).sum())
+    assert total == pytest.approx(expected, rel=1e-10, abs=1e-10)
+
+
+@pytest.mark.skipif(not Path('/proc/self/smaps_rollup').exists(),
+                    reason='needs Linux /proc/<pid>/smaps_rollup')
+def test_loader_context_consumer_equals_one_process(tmp_path):
+    torch.manual_seed(0)
+    model = arl.WindowedAgent(52, d_model=8, n_layers=2, n_heads=2, window=6)
+    store, _ = make_store(tmp_path, lengths=(900, 260))
+    plan = arl.dispatch(store.metadata(), 64, 300, seed=0, order='context',
+                        context_tokens=model.context)
+    torch.save(model, tmp_path / 'model.pt')
+    (run,) = arl.run_loader(tmp_path, D, [dict(plan=plan)], consume='context',
+                            model_path=tmp_path / 'model.pt')
+    for step, b in zip(run['steps'], plan):
+        views = arl.batch_views(_fill(store, b), b)
+        model.zero_grad()
+        loss = arl.context_segment_loss(model, views, b, 0, 1)
+        loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+        (l0, total, g0), (l1, total1, g1) = step['results']
+        assert total == total1 == pytest.approx(l0 + l1, rel=1e-6)
+        assert total == pytest.approx(loss.item(), rel=1e-5) and g1 is None
+        assert torch.allclose(torch.from_numpy(g0), grad, rtol=1e-5, atol=1e-6)

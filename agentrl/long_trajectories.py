@@ -950,10 +950,12 @@ def _loader_rank(rank, world_size, init_path, root, d, inbox, outbox, consume,
             before, shm, own = store.counters['heavy_bytes'], None, None
             if loader == 'naive':                  # whole trajectories, kept
                 views = _naive_views(store, cache, batch, members)
-            elif loader == 'per-rank':             # its own copy of the ranges, in an
-                own = mmap.mmap(-1, max(batch['nbytes'], 1))    # anonymous mapping:
-                views = batch_views(own, batch)    # unmapped, not kept by malloc, on
-                fill_batch(store, batch, views, members)        # close()
+            elif loader == 'per-rank':             # its own copy of the ranges
+                # an anonymous mapping, returned to the system on close(); a bytearray
+                # would stay in malloc's heap after the step and look like a leak
+                own = mmap.mmap(-1, max(batch['nbytes'], 1))
+                views = batch_views(own, batch)
+                fill_batch(store, batch, views, members)
             else:                                  # 'shared': a view of the one copy
                 shm = shared_memory.SharedMemory(name=name)
                 views = batch_views(shm.buf, batch)

@@ -634,9 +634,9 @@ def load_rollout_weights(path):
 def round_weights(model, fmt):
     """A float32 TinyAgent with every linear weight rounded to fmt (WEIGHT_FORMATS) by
     chapter 16's quantize_model -> a plain TinyAgent holding the dequantised weights
-    ('float32': model itself). Plain, so that it computes in any dtype and model_hash
-    sees the rounded weights (a QuantizedAgent keeps them outside its state dict); its
-    logits are the QuantizedAgent's."""
+    ('float32': model itself). Plain, so that it computes in any dtype (a
+    QuantizedAgent computes in float32) and model_hash sees the rounded weights as
+    decoded; its logits are the QuantizedAgent's."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f'fmt must be one of {WEIGHT_FORMATS}, got {fmt!r}')
     if fmt == 'float32':

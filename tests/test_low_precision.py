@@ -370,3 +370,60 @@ def test_quantization_aware_updates_move_the_master_not_the_rounding():
         head = model.head.parametrizations.weight
         assert not torch.equal(head.original, before['head.weight'])   # master moved
         assert torch.equal(model.head.weight, arl.trainer_weight(head.original, 'mxfp4'))
+
+
+# ---- quantised models as files
+def test_state_dict_holds_the_stored_tensors_and_the_hash_sees_them(tiny):
+    model, _, _ = tiny
+    q = arl.quantize_model(model, 'mxfp4')
+    sd = q.state_dict()
+    assert sd['head.codes'].dtype == torch.uint8                 # two E2M1 codes a byte
+    assert sd['head.codes'].shape == (len(sd['tok_emb.weight']), 32)
+    assert sd['head.scales'].shape == (len(sd['tok_emb.weight']), 2)   # one per 32
+    assert not any(k.endswith('head.weight') for k in sd)        # no float32 copy
+    hashes = {f: arl.model_hash(arl.quantize_model(model, f)) for f in arl.FORMATS}
+    assert len(set(hashes.values())) == len(arl.FORMATS)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.head.weight.mul_(2)
+    assert arl.model_hash(arl.quantize_model(other, 'mxfp4')) != hashes['mxfp4']
+
+
+@pytest.mark.parametrize('fmt', ['fp32', 'fp8_e4m3', 'mxfp8', 'mxfp4', 'nvfp4'])
+def test_save_and_load_quantized_round_trip(tiny, tmp_path, fmt):
+    model, tok, _ = tiny
+    ids = torch.randint(0, len(tok), (3, 20), generator=torch.Generator().manual_seed(1))
+    q = arl.quantize_model(model, fmt)
+    path = tmp_path / f'{fmt}.safetensors'
+    written = arl.save_quantized(q, path)
+    assert written == path.stat().st_size
+    state = torch.get_rng_state()
+    loaded = arl.load_quantized(path)
+    assert torch.equal(torch.get_rng_state(), state)          # loading draws nothing
+    assert type(loaded) is arl.QuantizedAgent and loaded.fmt == fmt
+    assert not loaded.training
+    assert torch.equal(loaded(ids), q(ids))
+    assert arl.model_hash(loaded) == arl.model_hash(q)
+    assert arl.linear_weight_bytes(loaded) == arl.linear_weight_bytes(q)
+    with pytest.raises(RuntimeError, match='inference only'):
+        loaded.train()
+
+
+def test_mxfp4_file_is_smaller_by_the_formats_bits(tiny, tmp_path):
+    model, _, _ = tiny
+    sizes = {f: arl.save_quantized(arl.quantize_model(model, f), tmp_path / f)
+             for f in ('fp32', 'mxfp4')}
+    stored, n = arl.linear_weight_bytes(arl.quantize_model(model, 'mxfp4'))
+    # the file shrinks by the linear weights' saving, up to the metadata's bytes
+    saving = 4 * n - stored
+    assert abs(sizes['fp32'] - sizes['mxfp4'] - saving) < 2048
+
+
+def test_save_and_load_quantized_refuse_bad_input(tiny, tmp_path):
+    model, _, _ = tiny
+    with pytest.raises(TypeError, match='QuantizedAgent'):
+        arl.save_quantized(model, tmp_path / 'plain.safetensors')
+    from safetensors.torch import save_file
+    save_file(model.state_dict(), tmp_path / 'plain.safetensors')
+    with pytest.raises(ValueError, match='save_quantized'):
+        arl.load_quantized(tmp_path / 'plain.safetensors')

@@ -1720,7 +1720,8 @@ def replay_records_fast(table, report):
     Records are grouped by request (a stable sort keeps file order; a log of one
     request needs none). A request whose records are regular (one start first, then
     positions 0, 1, 2, ... and at most one finish, last, with the right length) is
-    rebuilt from array slices, with one tolist() per field; any other request, the
+    rebuilt from array slices, each field copied into its RequestLog array in one
+    piece; any other request, the
     meta records, and records of unknown type or size go through chapter 18's
     replay_records, which treats requests independently. So the result equals
     replay_records(table.records(), report).
@@ -1768,17 +1769,18 @@ def replay_records_fast(table, report):
     state = arl.replay_records([(int(table.offsets[k]), int(types[k]),
                                  table.payload(k)) for k in slow.tolist()], report)
     requests = dict(state.requests)
-    # 2. the regular requests from array slices: one tolist() per field
+    # 2. the regular requests from array slices: one buffer copy per field
     logp = u32[:, 3].view(np.float32)
     for g in np.flatnonzero(regular).tolist():
         a, b = int(g_start[g]), int(g_end[g])
         finish = t[b - 1] == arl.REC_FINISH
         sl = slice(a + 1, b - 1 if finish else b)             # the token records
         sampled = t[sl] == arl.REC_TOKEN
-        logps = np.full(len(sampled), 0.0, dtype=object)        # one shared 0.0
-        np.copyto(logps, logp[sl], where=sampled)
-        req = arl.RequestLog(int(u32[a, 1]), u32[sl, 2].tolist(), sampled.tolist(),
-                             logps.tolist())
+        req = arl.RequestLog(int(u32[a, 1]))
+        for field, values in ((req.tokens, u32[sl, 2]), (req.sampled, sampled),
+                              (req.logp, np.where(sampled, logp[sl], 0.0))):
+            # one copy into the field's type, read by the array as raw bytes
+            field.frombytes(memoryview(values.astype(field.typecode)).cast('B'))
         if finish:
             word = int(u32[b - 1, 3])
             req.finish = (float(u32[b - 1, 2:3].view(np.float32)[0]),

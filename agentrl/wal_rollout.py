@@ -9,6 +9,7 @@ import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from crc32c import crc32c
+from array import array
 import torch
 import copy
 import math
@@ -295,11 +296,15 @@ def scan_log(data):
 class RequestLog:
     """What the log holds about one request: its task, its tokens so far (with the
     sampled flag and the sampler's log-prob of each), and once it has finished,
-    finish = (reward, outcome, turns)."""
+    finish = (reward, outcome, turns). The per-token fields are typed arrays
+    (array.array: tokens int64, sampled 0 or 1, logp float64): they append, index
+    and compare with each other as lists do, hold 8 bytes or less a value instead of
+    a Python object, and a reader can fill them from a buffer in one copy (chapter
+    19's replay_records_fast does)."""
     task: int
-    tokens: list = field(default_factory=list)
-    sampled: list = field(default_factory=list)
-    logp: list = field(default_factory=list)
+    tokens: array = field(default_factory=lambda: array('q'))
+    sampled: array = field(default_factory=lambda: array('B'))
+    logp: array = field(default_factory=lambda: array('d'))
     finish: tuple = None
 
 
@@ -860,7 +865,7 @@ class _RolloutJob:
             else:
                 for token, sampled, logp in zip(logged.tokens, logged.sampled,
                                                 logged.logp):
-                    req.advance(token, sampled, logp, *self.step_args)
+                    req.advance(token, bool(sampled), logp, *self.step_args)
                 self.restored += len(logged.tokens)
                 if logged.finish is not None:
                     continue
@@ -1091,7 +1096,8 @@ def read_trajectories(workdir, *, finished_only=False):
         trajs.append(arl.Trajectory(
             ids=torch.tensor(req.tokens),
             action_mask=torch.tensor(req.sampled[1:]).float(),
-            sample_logp=torch.tensor(req.logp[1:]), reward=reward, info=info))
+            sample_logp=torch.tensor(req.logp[1:], dtype=torch.float32), reward=reward,
+            info=info))
     return trajs
 
 

@@ -124,7 +124,7 @@ def test_torn_tail_at_every_offset(tmp_path):
         assert report['torn_tail_bytes'] == cut - report['valid_end']
         state = arl.replay_records(got, report)
         for r, req in state.requests.items():            # every recovered request is a prefix of the truth
-            assert req.tokens == truth[r][:len(req.tokens)]
+            assert req.tokens.tolist() == truth[r][:len(req.tokens)]
 
 
 def test_torn_tail_across_a_block_boundary(tmp_path):
@@ -152,7 +152,7 @@ def test_flipped_bit_is_reported_never_a_wrong_token(tmp_path):
         assert report['corruptions'][0][0] == start
         state = arl.replay_records(got, report)
         for r, req in state.requests.items():
-            assert req.tokens == truth[r][:len(req.tokens)]
+            assert req.tokens.tolist() == truth[r][:len(req.tokens)]
         # reading resumed at the next block: nothing there was lost
         in_block_1 = sum(1 for off, _, _ in got if off >= arl.WAL_BLOCK_SIZE)
         assert in_block_1 == sum(1 for e in ends if e > arl.WAL_BLOCK_SIZE)
@@ -200,8 +200,10 @@ def test_replay_keeps_gap_free_prefixes():
             (99, b'?'), (arl.REC_START, b'short')]                       # malformed
     state = arl.replay_records([(0, t, p) for t, p in recs], dict(corruptions=[]))
     req = state.requests[0]
-    assert (req.task, req.tokens, req.sampled, req.finish) == (5, [1, 8], [False, True], (1.0, 'correct', 1))
-    assert req.logp == [0.0, -0.5]
+    assert (req.task, req.tokens.tolist(), req.sampled.tolist(), req.finish) == (
+        5, [1, 8], [0, 1], (1.0, 'correct', 1))
+    assert req.logp.tolist() == [0.0, -0.5]
+    assert (req.tokens.typecode, req.sampled.typecode, req.logp.typecode) == ('q', 'B', 'd')
     assert (state.report['orphans'], state.report['duplicates'], state.report['conflicts'],
             state.report['malformed']) == (4, 1, 1, 2)
 
@@ -311,7 +313,7 @@ def check_durable(folder, ref):
     for rid, n in acked_lengths(folder).items():
         assert len(state.requests[rid].tokens) >= n, (rid, n)
     for rid, req in state.requests.items():
-        assert req.tokens == ref[rid].ids[:len(req.tokens)].tolist()
+        assert req.tokens.tolist() == ref[rid].ids[:len(req.tokens)].tolist()
 
 
 def modes(folder):

@@ -32,7 +32,9 @@ from pathlib import Path
 import nbtools
 from nbtools import ROOT, ToolError, rel
 
-CELL_TIMEOUT = 600
+# A limit that catches a hung cell, not a slow one: from an empty artefact cache one cell may
+# train a dozen runs (chapter 16's mismatch study takes about 20 minutes on 2 cores).
+CELL_TIMEOUT = 3600
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 LANGUAGE_INFO = {"name": "python", "pygments_lexer": "ipython3"}
 # Notebook-level metadata worth keeping; the rest (versions, widget state, editor settings)

@@ -7,7 +7,7 @@
     python tools/execute.py --show-timings   # print the timing record, refresh README's table
 
 Each notebook runs in a fresh `python3` kernel whose working directory is the chapter folder,
-with a 600 s limit per cell. The first failing cell stops everything (exit 1).
+with a one-hour limit per cell (CELL_TIMEOUT). The first failing cell stops everything (exit 1).
 
 `--timing` records each chapter's wall time in `timings.json` (committed): *warm* runs with the
 usual artefact cache, *cold* with an empty one made for that chapter alone (what a Colab reader

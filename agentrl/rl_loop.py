@@ -14,6 +14,8 @@ import json
 import os
 import pickle
 import re
+import urllib.request
+from pathlib import Path
 
 
 # -------- The configuration
@@ -87,6 +89,21 @@ def token_entropy(logits):
     return -(logp.exp() * logp).sum(-1)
 
 
+def clipped_objective(ratio, adv, clip_low, clip_high):
+    """PPO's clipped surrogate per token -> (objective, clipped).
+
+    ratio [b, T] (pi / pi_old, with gradient); adv [b, 1] or [b, T]. objective
+    [b, T] = min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A); clipped [b, T]
+    (bool): the tokens whose gradient the clip sets to zero (ratio beyond the bound
+    on the side where moving further would raise the objective).
+    """
+    clamped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    objective = torch.min(ratio * adv, clamped * adv)
+    clipped = (((ratio > 1 + clip_high) & (adv > 0))
+               | ((ratio < 1 - clip_low) & (adv < 0)))
+    return objective, clipped
+
+
 class UpdateTerm:
     """A part that a later chapter adds to rl_update; this base class changes nothing.
 
@@ -104,7 +121,11 @@ class UpdateTerm:
     gradient): the log-probs the ratio is taken against (default: the first epoch's
     own, so its ratio is exactly 1); observe(ids, logp, mask, sl) in the first epoch,
     without gradient; advantages(adv, old_logp, sl) -> the advantages of the
-    surrogate ([b, 1] or [b, width-1]); weights(sl) -> per-token factors of the
+    surrogate ([b, 1] or [b, width-1]); surrogate(logp, old_logp, adv, mask) ->
+    (objective, clipped), both [b, width-1], in place of clipped_objective with
+    cfg.clip_eps on both sides (chapter 8: a sequence-level ratio, clipped
+    importance weights; chapter 9: an asymmetric clip), or None; weights(sl) ->
+    per-token factors of the
     surrogate [b, width-1], or None; loss(logits, logp, mask, sl, n_tokens) -> a
     scalar added to the loss, or None. After each optimiser step,
     epoch_end(epoch, stats) sees that step's stats; stats(n_tokens) -> dict joins the
@@ -131,6 +152,9 @@ class UpdateTerm:
 
     def advantages(self, adv, old_logp, sl):
         return adv
+
+    def surrogate(self, logp, old_logp, adv, mask):
+        return None
 
     def weights(self, sl):
         return None
@@ -245,8 +269,9 @@ def _micro_step(model, batch, rows, advantages, old_logp, n_tokens, cfg, terms, 
     adv = advantages[rows][:, None]                          # [b, 1]
     for term in terms:
         adv = term.advantages(adv, old_logp, sl)
-    clipped_ratio = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
-    objective = torch.min(ratio * adv, clipped_ratio * adv)
+    given = _part(terms, 'surrogate', logp, old_logp[sl], adv, mask)
+    objective, clipped = (clipped_objective(ratio, adv, cfg.clip_eps, cfg.clip_eps)
+                          if given is None else given)          # [b, width-1] each
     for term in terms:
         weights = term.weights(sl)
         objective = objective if weights is None else objective * weights
@@ -258,9 +283,7 @@ def _micro_step(model, batch, rows, advantages, old_logp, n_tokens, cfg, terms, 
     loss.backward()
     step['loss'] += loss.item()
     with torch.no_grad():
-        out = (((ratio > 1 + cfg.clip_eps) & (adv > 0))
-               | ((ratio < 1 - cfg.clip_eps) & (adv < 0)))
-        step['clipped'] += (out * mask).sum().item()
+        step['clipped'] += (clipped * mask).sum().item()
         on = mask.bool()
         r, log_r = ratio[on], (logp - old_logp[sl])[on]
         if r.numel():
@@ -430,13 +453,13 @@ def evaluate_once(model, tasks, tok, n, seed, cfg):
     train_rl measures its start with it: the runs of a chapter start from one model,
     so their first held-out evaluation is the same. The key: the model's weights, the
     tasks, the vocabulary, n, seed, cfg's limits and temperature (all that evaluate
-    reads of cfg), the code evaluate runs (BASE_MODULES) and what rounds the floats.
-    Stored pickled, so a warm call returns what a cold one does (tuples stay tuples).
+    reads of cfg), the code evaluate runs (BASE_MODULES) and the device, not the CPU
+    (see cached_training). Stored pickled, so a warm call returns what a cold one
+    does (tuples stay tuples).
     """
     key = dict(model=model_hash(model), tasks=tasks_hash(tasks), vocab=tok.itos, n=n,
                seed=seed, max_turns=cfg.max_turns, max_tokens=cfg.max_tokens,
                temperature=cfg.temperature, code=code_hash(arl.BASE_MODULES),
-               torch=torch.__version__, cpu=torch.backends.cpu.get_cpu_capability(),
                device=sorted({str(p.device) for p in model.parameters()}))
     path = arl.cache_dir() / f'eval-{arl.recipe_hash(key)}.pkl'
     if path.exists():
@@ -454,24 +477,25 @@ def cached_training(kind, base, key, train, modules=RUN_MODULES):
     cached on disk (weights as safetensors, history as JSON).
 
     key: a JSON-able dict of everything the run depends on besides `base` and the
-    code; the cache key adds the base's weights, the source of `modules` and what
-    rounds the floats (torch version, CPU kernels, device). The history is returned
-    as JSON read back, so a cold and a warm call return equal values (tuples become
-    lists).
+    code; the cache key adds the base's weights, the source of `modules` and the
+    device. Not the CPU or the torch build: a run computed elsewhere is a run of the
+    same recipe and code, different only in the last bits of its rounding, so a
+    bundle of runs serves a reader on any machine (make test-portable checks the
+    claims with caches of its own). The history is returned as JSON read back, so a
+    cold and a warm call return equal values (tuples become lists).
     """
     from safetensors.torch import load_file, save_file
     if not isinstance(kind, str) or not re.fullmatch(r'[A-Za-z0-9_-]+', kind):
         raise ValueError(f'kind must be letters, digits, _ or -, got {kind!r}')
     if not isinstance(key, dict):
         raise TypeError(f'key must be a dict, got {type(key).__name__}')
-    reserved = sorted(set(key) & {'kind', 'base', 'code', 'torch', 'cpu', 'device'})
+    reserved = sorted(set(key) & {'kind', 'base', 'code', 'device'})
     if reserved:
         raise ValueError(f'key must not set {reserved}: the cache key adds them')
     if not callable(train):
         raise TypeError(f'train must be callable, got {type(train).__name__}')
     devices = sorted({str(p.device) for p in base.parameters()})
     full = dict(key, kind=kind, base=model_hash(base), code=code_hash(modules),
-                torch=torch.__version__, cpu=torch.backends.cpu.get_cpu_capability(),
                 device=devices)
     try:
         name = f'{kind}-{arl.recipe_hash(full)}'
@@ -547,10 +571,81 @@ def seed_paired(a, b, level=0.95, n_boot=2000, seed=0):
                 per_seed=diffs.mean(1).tolist())
 
 
+BUNDLE_MANIFEST = 'manifest.json'
+
+
+def _sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def export_artifacts(dest, kinds=None):
+    """Copy the cached artefacts into the folder `dest` with a manifest -> the manifest.
+
+    kinds: the artefact kinds to ship (a file name up to its first '-': 'rl_base',
+    'rl_run', 'kl', ...), default every kind. dest/manifest.json maps each file name
+    (its cache key: the kind and a hash of recipe and code) to the sha256 of its
+    bytes and holds nothing else, so two exports of the same runs are identical.
+    """
+    files = sorted(p for p in arl.cache_dir().iterdir()
+                   if p.is_file() and '-' in p.name and not p.name.endswith('.tmp')
+                   and (kinds is None or p.name.split('-')[0] in kinds))
+    if not files:
+        raise ValueError(f'no cached artefacts of kinds {kinds} in {arl.cache_dir()}')
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    manifest = {}
+    for path in files:
+        data = path.read_bytes()
+        manifest[path.name] = _sha256(data)
+        (dest / path.name).write_bytes(data)
+    (dest / BUNDLE_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def _read(source, name):
+    """The bytes of `name` in a bundle: a folder, or a URL (file://, https://...)."""
+    if '://' in str(source):
+        with urllib.request.urlopen(f'{str(source).rstrip("/")}/{name}') as response:
+            return response.read()
+    return (Path(source) / name).read_bytes()
+
+
+def load_artifacts(source):
+    """Copy a bundle made by export_artifacts (a folder or a URL) into cache_dir(),
+    checking every file against its manifest's sha256 -> the number of files added.
+
+    A file already in the cache is kept (its name is its key: same recipe, same
+    code); a file whose bytes do not match its hash raises ValueError and is not
+    written; each file lands atomically (a temporary name, then a rename). Cached
+    evaluations are pickles, and unpickling runs code: load bundles only from a
+    source you trust, such as the book's own release.
+    """
+    manifest = json.loads(_read(source, BUNDLE_MANIFEST))
+    if not isinstance(manifest, dict):
+        raise ValueError(f'{BUNDLE_MANIFEST} of {source} is not a name -> sha256 map')
+    added = 0
+    for name, digest in sorted(manifest.items()):
+        if Path(name).name != name or '-' not in name or name.endswith('.tmp'):
+            raise ValueError(f'bad file name {name!r} in the manifest of {source}')
+        target = arl.cache_dir() / name
+        if target.exists():
+            continue
+        data = _read(source, name)
+        if _sha256(data) != digest:
+            raise ValueError(f'{name} of {source} does not match its sha256 in the '
+                             'manifest: not loaded')
+        tmp = target.with_name(f'{name}.{os.getpid()}.tmp')
+        tmp.write_bytes(data)
+        tmp.replace(target)
+        added += 1
+    return added
+
+
 __all__ = [
     'RLConfig',
     'sample_step',
     'token_entropy',
+    'clipped_objective',
     'UpdateTerm',
     'rl_update',
     'OUTCOMES',
@@ -566,4 +661,7 @@ __all__ = [
     'cached_training',
     'train_rl_cached',
     'seed_paired',
+    'BUNDLE_MANIFEST',
+    'export_artifacts',
+    'load_artifacts',
 ]

@@ -399,3 +399,90 @@ def test_hashes_see_every_weight_task_and_module():
     assert arl.tasks_hash(None) is None
     assert arl.code_hash() == arl.code_hash(arl.RUN_MODULES)
     assert arl.code_hash(('tasks',)) != arl.code_hash(('tasks', 'model'))
+
+
+def test_clipped_objective_matches_ppo_and_names_the_clipped_tokens():
+    ratio = torch.tensor([[0.5, 0.9, 1.0, 1.1, 1.5]])
+    for a in (1.0, -1.0):
+        adv = torch.tensor([[a]])
+        objective, clipped = arl.clipped_objective(ratio, adv, 0.2, 0.3)
+        expected = torch.minimum(ratio * a, ratio.clamp(0.8, 1.3) * a)
+        assert torch.equal(objective, expected)
+        # positive advantage: only ratios above 1.3 lose their gradient; negative: below 0.8
+        assert clipped.tolist() == ([[False, False, False, False, True]] if a > 0
+                                    else [[True, False, False, False, False]])
+
+
+class _Doubled(arl.UpdateTerm):
+    """A surrogate part: chapter 7's objective with every advantage doubled."""
+
+    def surrogate(self, logp, old_logp, adv, mask):
+        return arl.clipped_objective(torch.exp(logp - old_logp), 2 * adv, 0.2, 0.2)
+
+
+def test_rl_update_takes_a_parts_surrogate_in_place_of_the_clipped_objective(setup):
+    tok, model = setup
+    batch = _demo_batch(tok)
+    adv = torch.linspace(-1, 1, len(batch['ids']))
+    grads = {}
+    for name, terms, scale in (('own', (_Doubled(),), 1.0), ('default', (), 2.0)):
+        m = copy.deepcopy(model)
+        cfg = arl.RLConfig(epochs=1, max_grad_norm=float('inf'))
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.0)
+        arl.rl_update(m, optimizer, batch, scale * adv, cfg, terms=terms)
+        grads[name] = [p.grad.clone() for p in m.parameters()]
+    # the part's surrogate with A is the default surrogate with 2A, to the bit
+    assert all(torch.equal(a, b) for a, b in zip(grads['own'], grads['default']))
+
+
+def _write_run(name, data):
+    (arl.cache_dir() / name).write_bytes(data)
+
+
+def test_artifacts_travel_through_a_bundle_with_their_hashes_checked(cache, tmp_path,
+                                                                     monkeypatch):
+    _write_run('rl_run-0123.json', b'{"history": []}')
+    _write_run('rl_run-0123.safetensors', b'weights')
+    _write_run('kl-4567.json', b'{}')
+    _write_run('rl_run-89.json.77.tmp', b'half')              # never shipped
+    bundle = tmp_path / 'bundle'
+    manifest = arl.export_artifacts(bundle, kinds=('rl_run',))
+    assert sorted(manifest) == ['rl_run-0123.json', 'rl_run-0123.safetensors']
+    again = arl.export_artifacts(tmp_path / 'again', kinds=('rl_run',))
+    assert (bundle / 'manifest.json').read_bytes() == (tmp_path / 'again' / 'manifest.json').read_bytes()
+    assert again == manifest
+    reader = tmp_path / 'reader'
+    monkeypatch.setenv('AGENTRL_CACHE', str(reader))
+    assert arl.load_artifacts(bundle.as_uri()) == 2            # a file:// URL
+    assert (reader / 'rl_run-0123.safetensors').read_bytes() == b'weights'
+    assert arl.load_artifacts(bundle) == 0                     # already there: kept
+    (bundle / 'rl_run-0123.json').write_bytes(b'tampered')
+    monkeypatch.setenv('AGENTRL_CACHE', str(tmp_path / 'other'))
+    with pytest.raises(ValueError, match='sha256'):
+        arl.load_artifacts(bundle)
+    assert not (tmp_path / 'other' / 'rl_run-0123.json').exists()
+    (bundle / 'manifest.json').write_text(json.dumps({'../x-1': '0'}))
+    with pytest.raises(ValueError, match='bad file name'):
+        arl.load_artifacts(bundle)
+    with pytest.raises(ValueError, match='no cached artefacts'):
+        arl.export_artifacts(tmp_path / 'none', kinds=('teacher',))
+
+
+def test_a_bundle_of_runs_built_twice_from_empty_caches_is_the_same_bit_for_bit(
+        tiny_rl, tmp_path, monkeypatch, setup):
+    """make artifacts on a small recipe: the same runs, the same manifest."""
+    tok, base = setup
+    tasks = arl.make_tasks('train')[:10]
+    manifests = []
+    for name in ('first', 'second'):
+        monkeypatch.setenv('AGENTRL_CACHE', str(tmp_path / name))
+        for seed in (0, 1):
+            arl.train_rl_cached(base, tasks, tok, arl.RLConfig(**TINY_RL, seed=seed), 2)
+        manifests.append(arl.export_artifacts(tmp_path / f'{name}-bundle'))
+    assert len(manifests[0]) == 4                  # two runs: weights and history each
+    assert manifests[0] == manifests[1]
+    # and a reader's cache loaded from the bundle holds the runs: nothing trains
+    monkeypatch.setenv('AGENTRL_CACHE', str(tmp_path / 'reader'))
+    assert arl.load_artifacts(tmp_path / 'first-bundle') == 4
+    monkeypatch.setattr(arl.rl_loop, 'train_rl', None)        # would fail if called
+    arl.train_rl_cached(base, tasks, tok, arl.RLConfig(**TINY_RL, seed=1), 2)

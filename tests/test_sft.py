@@ -481,3 +481,20 @@ def test_greedy_temperature_picks_the_argmax(partly_trained):
             best = partly_trained(a.ids[None])[0, :-1].argmax(-1)              # [T-1]
         chosen = a.action_mask.bool()
         assert chosen.any() and torch.equal(best[chosen], a.ids[1:][chosen])
+
+
+def test_recipe_seed_variable_rebuilds_the_base_from_another_seed(monkeypatch, tmp_path):
+    monkeypatch.setenv('AGENTRL_CACHE', str(tmp_path))
+    monkeypatch.delenv(arl.RECIPE_SEED_VARIABLE, raising=False)
+    ours = arl.rl_base_path(TOK)
+    monkeypatch.setenv(arl.RECIPE_SEED_VARIABLE, '1')
+    other = arl.rl_base_path(TOK)
+    assert other != ours
+    assert other == arl.rl_base_path(TOK, dict(seed=1))
+    assert arl.rl_base_path(TOK, dict(seed=0)) == ours       # a caller's own seed wins
+    monkeypatch.setenv(arl.RECIPE_SEED_VARIABLE, '')         # empty: unset
+    assert arl.rl_base_path(TOK) == ours
+    for bad in ('-1', 'one', '1.5'):
+        monkeypatch.setenv(arl.RECIPE_SEED_VARIABLE, bad)
+        with pytest.raises(ValueError, match=arl.RECIPE_SEED_VARIABLE):
+            arl.rl_base_path(TOK)

@@ -51,11 +51,8 @@ def clipped_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2,
         if clip_high is None or not (0 <= clip_low < 1 and clip_high >= 0):
             raise ValueError(f'need 0 <= clip_low < 1 and clip_high >= 0, got '
                              f'{clip_low}, {clip_high}')
-        clamped = ratio.clamp(1 - clip_low, 1 + clip_high)
-        objective = torch.min(ratio * adv, clamped * adv)
-        # the tokens whose gradient the clip sets to zero
-        clipped = (((ratio > 1 + clip_high) & (adv > 0))
-                   | ((ratio < 1 - clip_low) & (adv < 0)))
+        # chapter 7's surrogate, the one rl_update uses
+        objective, clipped = arl.clipped_objective(ratio, adv, clip_low, clip_high)
     norm_const = mask.sum().clamp(min=1) if norm_const is None else norm_const
     loss = -(objective * weights * mask).sum() / norm_const
     with torch.no_grad():
@@ -152,6 +149,55 @@ def ppo_update(model, optimizer, batch, advantages, cfg, epochs=4, clip=0.2,
     return part.history
 
 
+class SequenceRatio(arl.UpdateTerm):
+    """GSPO's surrogate (Zheng et al., 2025), a part of chapter 7's rl_update: one
+    importance ratio per episode, the geometric mean of its tokens' ratios,
+    s = exp(mean over policy tokens of log(pi / pi_old)), clipped to
+    [1 - clip_low, 1 + clip_high] (GSPO's published 3e-4 and 4e-4: a mean of
+    log-ratios moves far less than one token's) and applied to each of the episode's
+    tokens, so an episode keeps or loses its gradient whole. The tokens then add up
+    as in every surrogate of the book (a token mean over the batch), so each episode
+    weighs by its length, where GSPO averages per episode.
+    """
+
+    def __init__(self, clip_low=3e-4, clip_high=4e-4):
+        if not (0 <= clip_low < 1 and clip_high >= 0):
+            raise ValueError(f'need 0 <= clip_low < 1 and clip_high >= 0, got '
+                             f'{clip_low}, {clip_high}')
+        self.clip_low, self.clip_high = clip_low, clip_high
+
+    def surrogate(self, logp, old_logp, adv, mask):
+        """logp (with grad), old_logp, mask [b, T]; adv [b, 1] or [b, T] ->
+        (objective, clipped) [b, T]."""
+        n = mask.sum(1, keepdim=True).clamp(min=1)                          # [b, 1]
+        log_s = ((logp - old_logp) * mask).sum(1, keepdim=True) / n         # [b, 1]
+        s = torch.exp(log_s).expand_as(logp)                                # [b, T]
+        return arl.clipped_objective(s, adv, self.clip_low, self.clip_high)
+
+
+class ClippedISWeights(arl.UpdateTerm):
+    """CISPO's surrogate (MiniMax-M1, 2025), a part of chapter 7's rl_update: every
+    token keeps its gradient, weighted by its importance ratio with the weight
+    clipped instead of the token: gradient sg(min(r, 1 + clip_high)) * A *
+    grad log pi, no lower bound (MiniMax's choice). `clipped` marks the tokens
+    whose weight the cap lowered; none of them loses its gradient.
+    """
+
+    def __init__(self, clip_high=0.2):
+        if not clip_high >= 0:
+            raise ValueError(f'clip_high must be >= 0, got {clip_high}')
+        self.clip_high = clip_high
+
+    def surrogate(self, logp, old_logp, adv, mask):
+        """logp (with grad), old_logp, mask [b, T]; adv [b, 1] or [b, T] ->
+        (objective, clipped) [b, T]."""
+        ratio = torch.exp(logp - old_logp).detach()                         # [b, T]
+        weight = ratio.clamp(max=1 + self.clip_high)
+        # value w * A, like PPO's r * A; gradient w * A * grad log pi
+        objective = weight * adv * torch.exp(logp - logp.detach())
+        return objective, (ratio > 1 + self.clip_high).expand_as(objective)
+
+
 __all__ = [
     'importance_ratio',
     'clipped_loss',
@@ -159,4 +205,6 @@ __all__ = [
     'batch_log_probs',
     'RecomputedOldLogProbs',
     'ppo_update',
+    'SequenceRatio',
+    'ClippedISWeights',
 ]

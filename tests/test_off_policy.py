@@ -1,5 +1,6 @@
 """Tests for agentrl/off_policy.py (chapter 8): ratios, the clipped objective, TIS weights, ppo_update."""
 import copy
+import math
 
 import pytest
 import torch
@@ -174,3 +175,57 @@ def test_ppo_update_several_epochs_move_the_ratio():
     assert hist[2]['ratio_max'] == pytest.approx(log_r.exp().max().item(), rel=1e-3)
     with pytest.raises(ValueError, match='epochs'):
         arl.ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, adv, cfg, epochs=0)
+
+
+def _leaf(rows):
+    return torch.tensor(rows, dtype=torch.float64, requires_grad=True)
+
+
+def test_sequence_ratio_is_one_ratio_per_episode_clipped_whole():
+    logp = _leaf([[-1.0, -2.0, -0.5, -3.0], [-0.2, -0.4, -9.0, -9.0]])
+    old = torch.tensor([[-1.1, -2.0, -0.5, -3.0], [-0.2, -0.1, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
+    part = arl.SequenceRatio(clip_low=0.01, clip_high=0.02)
+    objective, clipped = part.surrogate(logp, old, adv, mask)
+    s = torch.exp(torch.tensor([0.1 / 3, -0.3 / 2], dtype=torch.float64))  # geometric means
+    assert torch.allclose(objective.detach()[:, 0], torch.minimum(s * adv[:, 0],
+                          s.clamp(0.99, 1.02) * adv[:, 0]))
+    # episode 0 rose by 3.4% with A > 0: clipped whole; episode 1 fell by 14% with A < 0: too
+    assert clipped.tolist() == [[True] * 4, [True] * 4]
+    (objective * mask).sum().backward()
+    assert logp.grad.abs().sum() == 0                 # clipped everywhere: no gradient
+
+
+def test_sequence_ratio_and_clipped_is_weights_are_reinforce_on_policy():
+    logp = _leaf([[-1.0, -2.0, -0.5], [-0.3, -0.4, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([[0.5], [-2.0]], dtype=torch.float64)
+    for part in (arl.SequenceRatio(), arl.ClippedISWeights()):
+        logp.grad = None
+        objective, clipped = part.surrogate(logp, logp.detach(), adv, mask)
+        assert not clipped.any() and torch.allclose(objective.detach(), adv.expand(2, 3))
+        (objective * mask).sum().backward()
+        assert torch.allclose(logp.grad, adv * mask)           # REINFORCE: A per token
+
+
+def test_clipped_is_weights_keep_every_gradient_with_the_weight_capped():
+    logp = _leaf([[-1.0, -1.0, -1.0]])
+    old = torch.tensor([[-1.0 - math.log(2.0), -1.0 + math.log(10.0), -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    adv = torch.tensor([[1.0]], dtype=torch.float64)
+    objective, capped = arl.ClippedISWeights(clip_high=0.2).surrogate(logp, old, adv, mask)
+    # ratios 2, 0.1, 1: the weight of the first is capped at 1.2, the second has no floor
+    assert capped.tolist() == [[True, False, False]]
+    assert torch.allclose(objective.detach(), torch.tensor([[1.2, 0.1, 1.0]], dtype=torch.float64))
+    objective.sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([[1.2, 0.1, 1.0]], dtype=torch.float64))
+
+
+def test_surrogate_parts_reject_bad_bounds():
+    with pytest.raises(ValueError, match='clip_low'):
+        arl.SequenceRatio(clip_low=1.0)
+    with pytest.raises(ValueError, match='clip_high'):
+        arl.SequenceRatio(clip_high=-0.1)
+    with pytest.raises(ValueError, match='clip_high'):
+        arl.ClippedISWeights(clip_high=-0.1)

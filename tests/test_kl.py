@@ -234,3 +234,40 @@ def test_empty_batch_trains_nothing(tiny_agent):
     assert stats['update_tokens'] == 0
     for p, q in zip(m.parameters(), model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_clip_higher_is_a_part_with_its_own_upper_bound():
+    assert not any(isinstance(t, arl.ClipHigher) for t in arl.KLConfig().update_terms(None))
+    terms = arl.KLConfig(clip_eps_high=0.28).update_terms(None)
+    (part,) = [t for t in terms if isinstance(t, arl.ClipHigher)]
+    assert (part.low, part.high) == (0.2, 0.28)
+    ratio = torch.tensor([[0.75, 1.25, 1.3]])
+    logp, old = torch.log(ratio), torch.zeros(1, 3)
+    objective, clipped = part.surrogate(logp, old, torch.tensor([[1.0]]), torch.ones(1, 3))
+    # 1.25 is inside [0.8, 1.28] now (the symmetric clip would stop it at 1.2)
+    assert clipped.tolist() == [[False, False, True]]
+    assert torch.allclose(objective, torch.tensor([[0.75, 1.25, 1.28]]))
+    with pytest.raises(ValueError, match='clip_eps_high'):
+        arl.KLConfig(clip_eps_high=-0.1)
+    with pytest.raises(ValueError, match='clip_eps_high needs a clip_eps below 1'):
+        arl.KLConfig(clip_eps=math.inf, clip_eps_high=0.28)
+
+
+def test_adaptive_kl_controller_moves_the_coefficient_toward_the_target(monkeypatch):
+    seen = []
+
+    def fake_update(model, optimizer, batch, advantages, cfg, ref_model, generator):
+        seen.append(cfg.kl_coef)
+        return dict(kl_ref=measured.pop(0))
+    monkeypatch.setattr(arl, 'rl_update', fake_update)
+    measured = [0.06, 0.03, 0.0, 0.033]
+    controller = arl.AdaptiveKLController(0.5, target=0.03, rate=1.0)
+    cfg = arl.KLConfig(kl_coef=0.5)
+    coefs = [controller(None, None, None, None, cfg)['kl_coef'] for _ in range(4)]
+    # twice the target: +20% (the error is clipped at 0.2); on target: unchanged;
+    # no drift: -20%; 10% over: +10%
+    assert coefs == pytest.approx([0.5, 0.6, 0.6, 0.48]) and seen == coefs
+    assert controller.coef == pytest.approx(0.48 * 1.1)
+    for bad in (dict(coef=0.0), dict(target=0.0), dict(rate=0.0), dict(rate=5.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            arl.AdaptiveKLController(**dict(dict(coef=0.5, target=0.03), **bad))

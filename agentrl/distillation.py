@@ -354,12 +354,14 @@ def train_opd(student, teachers, tasks, tok, cfg, steps, eval_tasks=None,
 
 
 def train_opd_cached(student, teachers, tasks, tok, cfg, steps, eval_tasks=None,
-                     eval_every=10, eval_n=8, variant='plain'):
+                     eval_every=10, eval_n=8, variant='plain', modules=None):
     """train_opd on a copy of `student`, cached on disk -> (model, history).
 
     The key holds every argument: the teachers' weights (arl.model_hash per family),
     the tasks, the config, the evaluation settings and `variant` (name a change the
-    other arguments do not show, e.g. a wrapped teacher).
+    other arguments do not show, e.g. a wrapped teacher). modules: the code the run
+    executes, default this chapter's book (distill_modules()); a later chapter whose
+    teachers run its own code names its modules (chapter 16's MXFP4 teachers).
     """
     key = dict(teachers={f: arl.model_hash(m) for f, m in teachers.items()},
                variant=variant, tasks=arl.tasks_hash(tasks), vocab=tok.itos,
@@ -368,7 +370,7 @@ def train_opd_cached(student, teachers, tasks, tok, cfg, steps, eval_tasks=None,
                eval_n=eval_n)
     return arl.cached_training('opd', student, key, lambda model: train_opd(
         model, teachers, tasks, tok, cfg, steps, eval_tasks, eval_every, eval_n,
-        progress=False), modules=distill_modules())
+        progress=False), modules=distill_modules() if modules is None else modules)
 
 
 __all__ = [

@@ -25,9 +25,10 @@ from .low_precision import *  # noqa: F401,F403
 from .teacher_scheduling import *  # noqa: F401,F403
 from .wal_rollout import *  # noqa: F401,F403
 from .long_trajectories import *  # noqa: F401,F403
+from .opd_pipeline import *  # noqa: F401,F403
 
 __version__ = '0.1.0'
 
-_MODULES = ('introduction', 'tasks', 'model', 'sampling', 'sft', 'policy_gradient', 'rl_loop', 'off_policy', 'kl', 'rewards', 'multi_turn', 'evaluation', 'diagnostics', 'scaling', 'distillation', 'low_precision', 'teacher_scheduling', 'wal_rollout', 'long_trajectories')
+_MODULES = ('introduction', 'tasks', 'model', 'sampling', 'sft', 'policy_gradient', 'rl_loop', 'off_policy', 'kl', 'rewards', 'multi_turn', 'evaluation', 'diagnostics', 'scaling', 'distillation', 'low_precision', 'teacher_scheduling', 'wal_rollout', 'long_trajectories', 'opd_pipeline')
 __all__ = list(dict.fromkeys(  # one entry per name, in book order
     name for m in _MODULES for name in _module(f'.{m}', __name__).__all__))

@@ -834,10 +834,7 @@ class ScheduledDistillation(arl.Distillation):
     def objective(self, model, ids, mask, sl, n_tokens):
         if self.buffer is None:          # the first micro-batch: trunks, then heads
             dtype = model.head.weight.dtype
-            self.buffer = HiddenBuffer(self.buffer_dtype or dtype)
-            self.trunks_read = fill_hidden_buffer(
-                self.store, self.trajs, self.teacher_ids, self.pad_id, self.buffer,
-                self.cfg.micro_batch_size)
+            self.buffer = self.teacher_hidden(dtype)
             runs = [t for k, (t, _) in enumerate(self.groups)
                     if k == 0 or self.groups[k - 1][0] != t]
             self.scheduler = HeadScheduler(self.store, [self.names[t] for t in runs],
@@ -851,6 +848,17 @@ class ScheduledDistillation(arl.Distillation):
                                 self.names[teacher], self.lease.weight, self.cfg.beta,
                                 *self.chunks, self.cfg.teacher_temperature)
         return out.sum() / float(n_tokens)
+
+    def teacher_hidden(self, dtype):
+        """The teachers' last-layer hidden states at the policy positions of the
+        routed trajectories -> HiddenBuffer (key: the trajectory's row), here computed
+        by their trunks, one read each (chapter 20 reads them from a store instead).
+        dtype: the student's, the buffer's unless buffer_dtype is set."""
+        buffer = HiddenBuffer(self.buffer_dtype or dtype)
+        self.trunks_read = fill_hidden_buffer(self.store, self.trajs, self.teacher_ids,
+                                              self.pad_id, buffer,
+                                              self.cfg.micro_batch_size)
+        return buffer
 
     def epoch_end(self, epoch, stats):
         self.close()

@@ -506,9 +506,10 @@ WEIGHT_FORMATS = ('float32',) + tuple(f for f in arl.FORMATS if f != 'fp32')
 
 @dataclass
 class RolloutSpec(arl.EnvConfig):
-    """A rollout job: group_size samples of each of the first n_tasks tasks of
-    `split`, decoded by `model` ('rl_base'; 'random': a fresh seeded TinyAgent for
-    fast tests; or the path of a .safetensors file written by save_rollout_weights)
+    """A rollout job: group_size samples of each of its n_tasks tasks of `split`
+    (`tasks`: their indices in the split, in order; empty: the first n_tasks),
+    decoded by `model` ('rl_base'; 'random': a fresh seeded TinyAgent for fast tests;
+    or the path of a .safetensors file written by save_rollout_weights)
     with its linear weights rounded to `weight_format` (WEIGHT_FORMATS: 'float32', or
     one of chapter 16's formats), computing in `dtype`, logged under `policy` ('token'
     | 'step' | 'os', or 'none': no log, to measure what the log costs). step_sleep_s
@@ -518,6 +519,7 @@ class RolloutSpec(arl.EnvConfig):
     seed: int = 0
     split: str = 'heldout'
     n_tasks: int = 8
+    tasks: tuple = ()
     group_size: int = 4
     temperature: float = 1.0
     model: str = 'rl_base'
@@ -529,6 +531,8 @@ class RolloutSpec(arl.EnvConfig):
     def __post_init__(self):
         if isinstance(self.model, os.PathLike):     # the log records it as JSON text
             self.model = os.fspath(self.model)
+        if isinstance(self.tasks, list):          # JSON gives back a list
+            self.tasks = tuple(self.tasks)
         check_rollout_spec(self)
 
 
@@ -559,6 +563,13 @@ def check_rollout_spec(spec):
 
     integer('seed', 0, 2 ** 63 - 1)
     integer('n_tasks', 1)
+    if not isinstance(spec.tasks, tuple) or not all(
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0
+            for i in spec.tasks):
+        raise TypeError(f'tasks must be a tuple of ints >= 0, got {spec.tasks!r}')
+    if spec.tasks and len(spec.tasks) != spec.n_tasks:
+        raise ValueError(f'n_tasks must be len(tasks) = {len(spec.tasks)} when tasks '
+                         f'are given, got {spec.n_tasks}')
     integer('group_size', 1)
     integer('max_turns', 0)
     integer('max_tokens', 1)
@@ -577,12 +588,26 @@ def check_rollout_spec(spec):
 SPEC_RUNTIME_FIELDS = ('policy', 'step_sleep_s')
 
 
+def rollout_tasks(spec):
+    """The job's tasks, in request order (request r is a sample of task
+    r // group_size) -> list of chapter 2's Task. ValueError, naming the split's
+    size, for a task index or n_tasks the split does not have."""
+    tasks = arl.make_tasks(spec.split)
+    if spec.n_tasks > len(tasks) or any(i >= len(tasks) for i in spec.tasks):
+        raise ValueError(f'split {spec.split!r} has {len(tasks)} tasks: n_tasks must '
+                         f'be in 1..{len(tasks)} and tasks in 0..{len(tasks) - 1}, got '
+                         f'n_tasks={spec.n_tasks}, tasks={spec.tasks}')
+    return [tasks[i] for i in spec.tasks] if spec.tasks else tasks[:spec.n_tasks]
+
+
 def job_fields(spec, weights_hash=None):
     """The fields that decide the tokens: those of a RolloutSpec but
     SPEC_RUNTIME_FIELDS (which a restart may change), and, when given, weights_hash:
     model_hash of the model as decoded (after weight_format and dtype), the policy
-    version every token of the job was sampled from."""
-    fields = {k: v for k, v in asdict(spec).items() if k not in SPEC_RUNTIME_FIELDS}
+    version every token of the job was sampled from. Values as JSON gives them back
+    (tasks as a list), so that the job read from a log or a snapshot compares equal."""
+    fields = {k: list(v) if isinstance(v, tuple) else v
+              for k, v in asdict(spec).items() if k not in SPEC_RUNTIME_FIELDS}
     if weights_hash is not None:
         fields['weights_hash'] = weights_hash
     return fields
@@ -799,16 +824,13 @@ class _RolloutJob:
                              f'{_job_changes(job_fields(*logged), self.job)}. A job is '
                              'decoded by one spec and one policy version: restore '
                              'them, or decode this as a new job in another folder')
-        self.tasks, self.tok = arl.make_tasks(spec.split), tok
+        self.tok = tok
         self.step_args = (tok, spec.max_tokens, {tok.stoi[s] for s in arl.STOP_TOKENS})
 
     def _check_fit(self):
         """The spec against the split's tasks, the log and the writer."""
         spec, requests = self.spec, self.state.requests
-        n_tasks = len(arl.make_tasks(spec.split))
-        if spec.n_tasks > n_tasks:
-            raise ValueError(f'n_tasks must be in 1..{n_tasks} for split '
-                             f'{spec.split!r}, got {spec.n_tasks}')
+        self.tasks = rollout_tasks(spec)
         unfinished = [rid for rid in range(spec.n_tasks * spec.group_size)
                       if rid not in requests or requests[rid].finish is None]
         if not self.logging and self.state.meta is not None and unfinished:
@@ -1080,7 +1102,7 @@ def read_trajectories(workdir, *, finished_only=False):
     if state.meta is None:
         raise ValueError(f'{workdir}: the log holds no spec')
     spec, weights_hash = logged_job(state.meta)
-    tasks = arl.make_tasks(spec.split)
+    tasks = rollout_tasks(spec)
     trajs = []
     for rid in range(spec.n_tasks * spec.group_size):
         req = state.requests.get(rid)
@@ -1196,6 +1218,8 @@ def _run_until_kill(folder, spec, steps, signal_name, grace_s):
     acks = Path(folder) / 'acks.txt'
     target = _count_lines(acks) + 1 + steps       # its startup commit, then the steps
     proc = launch_rollout(folder, spec)
+    if steps == math.inf:           # no stop planned: wait, without polling the acks
+        proc.join()
     while proc.exitcode is None and _count_lines(acks) < target:
         time.sleep(0.001)
     if proc.exitcode is None and signal_name == 'SIGTERM':
@@ -1270,7 +1294,8 @@ def run_with_preemptions(workdir, spec, rate, seed, mode, *, p_sigterm=0.5,
             if rid not in done:
                 missing.setdefault(rid // G, []).append(rid)
         g = max(map(len, missing.values()))
-        job = replace(spec, n_tasks=max(missing) + 1, group_size=g,
+        last = max(missing) + 1
+        job = replace(spec, n_tasks=last, tasks=spec.tasks[:last], group_size=g,
                       seed=spec.seed + run)
         folder = workdir / f'attempt-{run:03d}'
         outcome = _run_until_kill(folder, job, steps, signal_name, grace_s)
@@ -1327,6 +1352,7 @@ __all__ = [
     'RolloutSpec',
     'check_rollout_spec',
     'SPEC_RUNTIME_FIELDS',
+    'rollout_tasks',
     'job_fields',
     'logged_job',
     'TINYAGENT_CONFIG',

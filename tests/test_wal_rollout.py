@@ -231,6 +231,41 @@ def test_engine_samples_what_sample_groups_samples(tmp_path):
         assert (a.reward, a.info['outcome']) == (b.reward, b.info['outcome'])
 
 
+def test_engine_decodes_the_tasks_a_step_picks(tmp_path):
+    """tasks= lists the job's tasks by index into the split, in order (as a training step picks
+    them): the engine samples what sample_groups samples on those tasks; the log keeps the list,
+    so read_trajectories names the same tasks, and a discard run's re-samples keep them."""
+    picked = (7, 2, 11)
+    job = spec(step_sleep_s=0.0, seed=4, n_tasks=3, tasks=picked, group_size=2)
+    arl.run_rollout(tmp_path / 'job', job)
+    engine = arl.read_trajectories(tmp_path / 'job')
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+    cfg = arl.SamplingConfig(group_size=2, max_turns=job.max_turns, max_tokens=job.max_tokens)
+    tasks = [arl.make_tasks('heldout')[i] for i in picked]
+    assert arl.rollout_tasks(job) == tasks
+    lockstep = arl.sample_groups(arl.build_rollout_model(job, tok), lambda: arl.make_env(cfg),
+                                 tasks, tok, cfg, seed=4)
+    assert [t.info['task'] for t in engine] == [t.name for t in tasks for _ in range(2)]
+    for a, b in zip(engine, lockstep):
+        assert torch.equal(a.ids, b.ids) and a.info['group'] == b.info['group']
+    logged, _ = arl.logged_job(arl.recover_log(tmp_path / 'job' / 'rollout.wal').meta)
+    assert logged == job and logged.tasks == picked             # a tuple again, from JSON
+    # preempted gracefully, a job of picked tasks restarts from its KV snapshot
+    trajs, kills = arl.run_with_preemptions(tmp_path / 'resume', job, 0.1, seed=2,
+                                            mode='resume', p_sigterm=1.0)
+    assert_same(trajs, engine) and kills and 'snapshot' in modes(tmp_path / 'resume')
+    trajs, kills = arl.run_with_preemptions(tmp_path / 'discard', job, 0.1, seed=2,
+                                            mode='discard')
+    assert kills and [t.info['task'] for t in trajs] == [t.info['task'] for t in engine]
+    with pytest.raises(ValueError, match='n_tasks must be len\\(tasks\\) = 3'):
+        spec(tasks=picked, n_tasks=4)
+    with pytest.raises(TypeError, match='tasks must be a tuple of ints'):
+        spec(tasks=(1, -2), n_tasks=2)
+    with pytest.raises(ValueError, match="split 'heldout' has 160 tasks"):
+        arl.run_rollout(tmp_path / 'bad', spec(tasks=(3, 160), n_tasks=2))
+    assert not (tmp_path / 'bad').exists()
+
+
 def test_ragged_decoding_matches_the_full_forward():
     torch.manual_seed(0)
     model = arl.TinyAgent(20, d_model=32, n_layers=2, n_heads=2, max_len=40).double().eval()

@@ -1,0 +1,188 @@
+"""Chapter 20: the pipeline (rollouts through chapter 18's engine in child processes, episodes and
+teacher hidden states in chapter 19's store, chapter 17's loss, chapter 7's update) against chapter
+15's train_opd, under real kills, one step off, with discard-and-restart, and its checks."""
+import copy
+
+import pytest
+import torch
+
+import agentrl as arl
+
+FAMILIES = ('calc', 'max')
+
+
+def _agent(seed, vocab):
+    """A tiny TinyAgent that fits whole episodes (max_len 64 > max_tokens)."""
+    torch.manual_seed(seed)
+    return arl.TinyAgent(vocab, d_model=16, n_layers=1, n_heads=2, max_len=64).eval()
+
+
+@pytest.fixture(scope='module')
+def setup(tmp_path_factory):
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+    tasks = [t for t in arl.make_tasks('train') if t.family in FAMILIES][:12]
+    teachers = {f: _agent(1 + k, len(tok)) for k, f in enumerate(FAMILIES)}
+    store = arl.TeacherStore(tmp_path_factory.mktemp('teachers'))
+    for family, model in teachers.items():
+        store.save(family, model)
+    cfg = arl.OPDConfig(tasks_per_step=4, max_tokens=40, max_turns=2)
+    return tok, tasks, teachers, store, cfg, _agent(0, len(tok))
+
+
+class _Probe(arl.UpdateTerm):
+    """Records each step's token ids and the weights after each update."""
+    def __init__(self, model):
+        self.model, self.batches, self.weights = model, [], []
+
+    def start(self, batch):
+        self.batches.append(batch['ids'].clone())
+
+    def epoch_end(self, epoch, stats):
+        self.weights.append([p.detach().clone() for p in self.model.parameters()])
+
+
+def _pipeline(setup, folder, steps=3, **changes):
+    tok, tasks, _, store, cfg, student = setup
+    model, probe = copy.deepcopy(student), None
+    probe = _Probe(model)
+    history, timeline = arl.train_opd_pipeline(model, store, tasks, tok, cfg, steps, folder,
+                                               arl.PipelineConfig(**changes), progress=False,
+                                               parts=(probe,))
+    return model, history, timeline, probe
+
+
+def test_the_synchronous_pipeline_is_train_opd(setup, tmp_path):
+    """Same episodes token for token, the same loss to float32 rounding, weights that agree far
+    beyond how far the update moved them."""
+    tok, tasks, teachers, store, cfg, student = setup
+    plain = copy.deepcopy(student)
+    probe = _Probe(plain)
+    plain_h = arl.train_opd(plain, teachers, tasks, tok, cfg, 3, progress=False,
+                            parts=(arl.Distillation(teachers, cfg), probe))
+    piped, piped_h, timeline, piped_probe = _pipeline(setup, tmp_path / 'run')
+    assert len(probe.batches) == len(piped_probe.batches) == 3
+    for a, b in zip(probe.batches, piped_probe.batches):
+        assert torch.equal(a, b)
+    for a, b in zip(plain_h[:3], piped_h[:3]):
+        assert b['loss'] == pytest.approx(a['loss'], rel=1e-5)
+        assert b['lag'] == 0 and b['sigkill'] == b['sigterm'] == 0
+        assert b['max_resident'] == 1 and b['trunks_read'] == 0 and b['heavy_bytes'] > 0
+    flat = lambda ws: torch.cat([w.flatten() for w in ws])
+    moved = (flat(probe.weights[-1]) - flat(student.parameters())).norm()
+    assert (flat(probe.weights[-1]) - flat(piped_probe.weights[-1])).norm() < 1e-2 * moved
+    assert {stage for stage, *_ in timeline} == {'rollout', 'wait', 'teachers', 'update'}
+    # every episode and its teacher states went to the store, durably, one row each
+    meta = arl.TrajectoryStore(tmp_path / 'run' / 'trajectories').metadata()
+    assert meta.num_rows == 3 * cfg.tasks_per_step
+    assert set(meta.column('teacher').to_pylist()) <= {0, 1}
+
+
+def test_killed_rollout_processes_change_no_bit_of_the_weights(setup, tmp_path):
+    """The crash test: rollout processes stopped by SIGKILL and SIGTERM on a seeded schedule,
+    resumed from the log; the trained weights equal the run without faults bit for bit."""
+    clean, clean_h, *_ = _pipeline(setup, tmp_path / 'clean')
+    crashed, crash_h, *_ = _pipeline(setup, tmp_path / 'crashed', kill_rate=0.15,
+                                     fault_seed=1)
+    assert sum(r['sigkill'] for r in crash_h[:3]) >= 1
+    assert sum(r['sigterm'] for r in crash_h[:3]) >= 1
+    for a, b in zip(clean.state_dict().values(), crashed.state_dict().values()):
+        assert torch.equal(a, b)
+    assert [r['loss'] for r in clean_h[:3]] == [r['loss'] for r in crash_h[:3]]
+
+
+def test_one_step_off_trains_on_the_episodes_of_the_previous_weights(setup, tmp_path):
+    """lag 1: the same draws (tasks, seeds) as lag 0; step 0 trains on the same episodes, later
+    steps on episodes sampled one version earlier, tagged with those weights."""
+    _, sync_h, _, sync_probe = _pipeline(setup, tmp_path / 'sync')
+    _, lag_h, _, lag_probe = _pipeline(setup, tmp_path / 'lag', lag=1)
+    assert [r['lag'] for r in lag_h[:3]] == [0, 1, 1]
+    assert torch.equal(sync_probe.batches[0], lag_probe.batches[0])
+    assert lag_h[0]['loss'] == sync_h[0]['loss']
+    assert lag_h[1]['loss'] != sync_h[1]['loss']
+    # step 1 was sampled by the weights that sampled step 0, as their hashes say
+    logs = [arl.recover_log(tmp_path / 'lag' / 'rollouts' / f'step-{k:05d}' / 'job' /
+                            'rollout.wal').meta['weights_hash'] for k in range(3)]
+    assert logs[0] == logs[1] != logs[2]
+
+
+def test_discard_and_restart_trains_on_other_episodes(setup, tmp_path):
+    _, sync_h, _, sync_probe = _pipeline(setup, tmp_path / 'sync', steps=2)
+    _, disc_h, _, disc_probe = _pipeline(setup, tmp_path / 'discard', steps=2,
+                                         kill_rate=0.1, preemption='discard')
+    assert sum(r['sigkill'] + r['sigterm'] for r in disc_h[:2]) >= 1
+    assert not all(torch.equal(a, b) for a, b in zip(sync_probe.batches, disc_probe.batches))
+
+
+def test_store_episodes_keeps_the_teacher_states_at_the_sampled_tokens(setup, tmp_path):
+    tok, tasks, teachers, store, cfg, student = setup
+    trajs = arl.sample_groups(student, lambda: arl.make_env(cfg), tasks[:4], tok, cfg, seed=3)
+    traj_store = arl.TrajectoryStore(tmp_path / 'trajs', d=16, hidden_dtype='float32')
+    ids = arl.store_episodes(traj_store, store, trajs, tok.pad_id)
+    assert len(ids) == len(set(ids)) == 4
+    names = store.names()
+    meta = traj_store.metadata()
+    assert meta.column('teacher').to_pylist() == [names.index(t.info['family'])
+                                                   for t in trajs]
+    for traj, tid in zip(trajs, ids):
+        views = traj_store.read([tid])[0]
+        assert torch.equal(torch.from_numpy(views['tokens']).long(), traj.ids)
+        sampled = torch.from_numpy(views['mask']).bool()
+        assert torch.equal(sampled[1:], traj.action_mask.bool()) and not sampled[0]
+        with torch.no_grad():
+            hidden = teachers[traj.info['family']].hidden(traj.ids[None])[0, :-1]  # [T-1, d]
+        stored = torch.from_numpy(views['hidden'])
+        assert torch.allclose(stored[1:][traj.action_mask.bool()],
+                              hidden[traj.action_mask.bool()], atol=1e-6)
+        assert not stored[~sampled].any()
+    with pytest.raises(ValueError, match='no teacher named'):
+        other = [t for t in arl.make_tasks('train') if t.family == 'sum'][:1]
+        arl.store_episodes(traj_store, store, arl.sample_groups(
+            student, lambda: arl.make_env(cfg), other, tok, cfg, seed=0), tok.pad_id)
+
+
+def test_the_cached_run_trains_once(setup, tmp_path, monkeypatch):
+    monkeypatch.setenv('AGENTRL_CACHE', str(tmp_path / 'cache'))
+    tok, tasks, _, store, cfg, student = setup
+    pcfg = arl.PipelineConfig(lag=1)
+    model, history = arl.train_opd_pipeline_cached(student, store, tasks, tok, cfg, 2, pcfg)
+    files = sorted(p.name for p in (tmp_path / 'cache').iterdir())
+    assert len(files) == 2 and files[0].startswith('pipeline-')
+    again, history2 = arl.train_opd_pipeline_cached(student, store, tasks, tok, cfg, 2, pcfg)
+    assert history2 == history and all(torch.equal(a, b) for a, b in zip(
+        model.state_dict().values(), again.state_dict().values()))
+    arl.train_opd_pipeline_cached(student, store, tasks, tok, cfg, 2, arl.PipelineConfig())
+    assert len(list((tmp_path / 'cache').iterdir())) == 4      # another config, another run
+
+
+@pytest.mark.parametrize('changes, error, match', [
+    (dict(weight_format='fp16'), ValueError, 'weight_format must be one of'),
+    (dict(rollout_dtype='float16'), ValueError, 'rollout_dtype must be one of'),
+    (dict(lag=-1), ValueError, 'lag must be >= 0'),
+    (dict(lag=1.0), TypeError, 'lag must be an int'),
+    (dict(kill_rate=float('nan')), ValueError, 'kill_rate must be a finite number'),
+    (dict(p_sigterm=1.5), ValueError, r'p_sigterm must be in \[0, 1\]'),
+    (dict(preemption='retry'), ValueError, 'preemption must be one of'),
+    (dict(hidden_dtype='float64'), ValueError, 'hidden_dtype must be one of'),
+    (dict(split='test'), ValueError, 'split must be one of'),
+])
+def test_pipeline_config_names_the_bad_field(changes, error, match):
+    with pytest.raises(error, match=match):
+        arl.PipelineConfig(**changes)
+
+
+def test_train_opd_pipeline_refuses_what_it_cannot_run(setup, tmp_path):
+    tok, tasks, teachers, store, cfg, student = setup
+    run = lambda cfg=cfg, tasks=tasks, folder=tmp_path / 'x', pcfg=None: arl.train_opd_pipeline(
+        copy.deepcopy(student), store, tasks, tok, cfg, 1, folder, pcfg, progress=False)
+    with pytest.raises(ValueError, match='cfg.lam must be 1'):
+        run(cfg=arl.OPDConfig(lam=0.5))
+    with pytest.raises(ValueError, match="cfg.loss 'jsd'"):
+        run(cfg=arl.OPDConfig(loss='sft'))
+    with pytest.raises(TypeError, match='pcfg must be a PipelineConfig'):
+        run(pcfg=dict(lag=1))
+    (tmp_path / 'exists').mkdir()
+    with pytest.raises(ValueError, match='starts in a new folder'):
+        run(folder=tmp_path / 'exists')
+    with pytest.raises(ValueError, match="are not in split 'train'"):
+        run(tasks=[t for t in arl.make_tasks('heldout') if t.family == 'calc'][:4],
+            folder=tmp_path / 'heldout')

@@ -726,17 +726,26 @@ def dispatch(meta, segment_tokens, batch_tokens, world_size=2, seed=0,
     plan = []
     for own, st, sp, scored, rank in batches:
         n = int((sp - st).sum())
-        layout, offset = {}, 0
-        for f in fields:
-            width = d if f == 'hidden' else 1
-            layout[f] = (offset, (n, width))
-            size = n * width * dtypes[f].itemsize
-            offset += -(-size // PAGE_SIZE) * PAGE_SIZE
+        layout, nbytes = buffer_layout(n, fields, dtypes, d)
         plan.append(dict(segments=np.stack([ids[own], st, sp], 1), rank=rank,
                          scored=scored, reward=rewards[own], teacher=teachers[own],
-                         baseline=baseline, tokens=n, layout=layout, nbytes=offset,
+                         baseline=baseline, tokens=n, layout=layout, nbytes=nbytes,
                          dtypes={f: dtypes[f] for f in fields}))
     return plan
+
+
+def buffer_layout(tokens, fields, dtypes, d):
+    """Where each field of a mini-batch of `tokens` tokens lies in its one shared
+    buffer: back to back, each starting on a page -> (layout {field: (byte offset,
+    [tokens, width])}, nbytes). width: d for hidden, 1 for the others; dtypes: {field:
+    numpy dtype}."""
+    layout, offset = {}, 0
+    for f in fields:
+        width = d if f == 'hidden' else 1
+        layout[f] = (offset, (tokens, width))
+        size = tokens * width * np.dtype(dtypes[f]).itemsize
+        offset += -(-size // PAGE_SIZE) * PAGE_SIZE
+    return layout, offset
 
 
 def _in_trajectory_order(owner, start, stop, counts, batch_tokens, context_tokens,
@@ -884,9 +893,11 @@ class LoaderMessage(str, enum.Enum):
     DONE = 'done'
 
 
-def _loader_worker(root, d, inbox, outbox, index):
-    """A loader worker: fills shared-memory mini-batches from the store, keeps each
-    until it is told to release it."""
+def loader_worker(root, d, inbox, outbox, index):
+    """A loader worker process: fills shared-memory mini-batches from the store at
+    root (FILL: step, batch laid out by dispatch or buffer_layout, segment name),
+    keeps each until it is told to release it (RELEASE); messages in LoaderMessage's
+    protocol, None stops it. Chapter 20's trainer runs one of its own."""
     torch.set_num_threads(1)
     store, held = TrajectoryStore(root, d), {}
     outbox.put((LoaderMessage.UP, f'worker{index}', os.getpid()))
@@ -1046,7 +1057,7 @@ class _Loader:
         self.init_path.unlink(missing_ok=True)
         self.workers = [ctx.Queue() for _ in range(2)]          # inboxes
         self.ranks = [ctx.Queue() for _ in range(2)]
-        self.procs = [ctx.Process(target=_loader_worker,
+        self.procs = [ctx.Process(target=loader_worker,
                                   args=(root, d, self.workers[i], self.outbox, i))
                       for i in range(2)]
         self.procs += [ctx.Process(target=_loader_rank, args=(
@@ -2128,6 +2139,7 @@ __all__ = [
     'synthetic_trajectory',
     'budget_batches',
     'dispatch',
+    'buffer_layout',
     'batch_views',
     'segment_slices',
     'fill_batch',
@@ -2137,6 +2149,7 @@ __all__ = [
     'packed_segment_loss',
     'segment_digest',
     'LoaderMessage',
+    'loader_worker',
     'LOADERS',
     'run_loader',
     'loader_depth',

@@ -8,9 +8,13 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 import torch
 import agentrl as arl
+import multiprocessing
+import os
+import queue
+from multiprocessing import shared_memory
+import numpy as np
 import hashlib
 import tempfile
-from dataclasses import asdict
 
 
 # -------- 1. One step through four pillars
@@ -30,6 +34,8 @@ class PipelineConfig:
     'resume' (a restarted process continues from the log) or 'discard' (a stopped
     process's unfinished episodes are sampled again from scratch). hidden_dtype:
     the teachers' hidden states in the trajectory store (chapter 19's HIDDEN_DTYPES).
+    loader_memory: the bytes of shared memory the trainer's loader may fill ahead
+    (chapter 19's loader_depth turns it into how many micro-batches, from their sizes).
     split: where the training tasks come from (a rollout process rebuilds them from
     their indices).
     """
@@ -42,6 +48,7 @@ class PipelineConfig:
     preemption: str = 'resume'
     hidden_dtype: str = 'float32'
     split: str = 'train'
+    loader_memory: int = 2 ** 20
 
     def __post_init__(self):
         for name, options in (('weight_format', arl.WEIGHT_FORMATS),
@@ -54,6 +61,7 @@ class PipelineConfig:
                                  f'{getattr(self, name)!r}')
         arl.check_int('lag', self.lag, 0)
         arl.check_int('fault_seed', self.fault_seed, 0)
+        arl.check_int('loader_memory', self.loader_memory, 1)
         arl.check_real('kill_rate', self.kill_rate, 0)
         arl.check_real('p_sigterm', self.p_sigterm, 0)
         if self.p_sigterm > 1:
@@ -69,7 +77,7 @@ class Rollouts:
     submit(step, model, tasks, seed) freezes the model's weights into the job's folder
     (the policy version) and starts the job: cfg.group_size episodes of each task,
     the tokens of each a function of (seed, request, position) as in sample_groups.
-    collect(step) waits for it -> (trajectories, kills, seconds), each trajectory
+    collect(step) waits for it -> (trajectories, kills), each trajectory
     tagged with its policy version (info['weights_hash']). timeline: (step, start,
     stop) of each job, in time.perf_counter seconds.
     """
@@ -79,7 +87,7 @@ class Rollouts:
         self.env = {f.name: getattr(cfg, f.name) for f in fields(arl.EnvConfig)}
         self.jobs, self.timeline = {}, []
 
-    def spec(self, step, weights, tasks, seed):
+    def spec(self, weights, tasks, seed):
         missing = [t.name for t in tasks if t.name not in self.index]
         if missing:
             raise ValueError(f'tasks {missing[:3]} are not in split '
@@ -98,7 +106,7 @@ class Rollouts:
         folder.mkdir(parents=True)
         weights = folder / 'policy.safetensors'
         arl.save_rollout_weights(weights, model)       # the policy version, frozen now
-        spec = self.spec(step, weights, tasks, seed)
+        spec = self.spec(weights, tasks, seed)
         job = {}
 
         def decode():
@@ -124,7 +132,7 @@ class Rollouts:
             error = job['error']
             raise RuntimeError(f'the rollout job of step {step} failed') from error
         self.timeline.append((step, *job['span']))
-        return job['trajs'], job['kills'], job['span'][1] - job['span'][0]
+        return job['trajs'], job['kills']
 
 
 def store_episodes(traj_store, teacher_store, trajs, pad_id, micro_batch_size=32):
@@ -159,25 +167,154 @@ def store_episodes(traj_store, teacher_store, trajs, pad_id, micro_batch_size=32
     return ids
 
 
+class HeavyLoader:
+    """Chapter 19's shared-memory loader for one trainer: a worker process (chapter
+    19's loader_worker) fills planned mini-batches of heavy fields from the
+    trajectory store at root into shared memory, up to `depth` of them ahead of the
+    one the trainer takes.
+
+    start(plan, depth): plan is a list of mini-batches (dict(segments [k, 3] of
+    (id, start, stop), tokens, layout and nbytes from buffer_layout, dtypes)); the
+    first `depth` are asked for at once. take() -> the next mini-batch's fields
+    {field: array} (copies), after which its segment is released and the one `depth`
+    ahead is asked for. waits: (start, stop) of each take, time.perf_counter seconds;
+    bytes_read: the heavy bytes the worker read; close() stops the worker.
+    """
+    def __init__(self, root, d, timeout=120):
+        ctx = multiprocessing.get_context('forkserver')
+        ctx.set_forkserver_preload(['agentrl'])
+        self.inbox, self.outbox, self.timeout = ctx.Queue(), ctx.Queue(), timeout
+        self.worker = ctx.Process(target=arl.loader_worker, daemon=True,
+                                  args=(str(root), d, self.inbox, self.outbox, 0))
+        self.worker.start()
+        self.stash, self.plan, self.next, self.runs = [], [], 0, 0
+        self.waits, self.bytes_read = [], 0
+        self._expect(arl.LoaderMessage.UP)
+
+    def _expect(self, kind, step=None):
+        """The worker's next `kind` message (about `step`); others wait in the stash,
+        and RELEASED ones, which nobody waits for, are dropped."""
+        wanted = lambda m: m[0] == kind and (step is None or m[1] == step)
+        for m in self.stash:
+            if wanted(m):
+                self.stash.remove(m)
+                return m
+        waited = 0
+        while waited < self.timeout:
+            try:
+                m = self.outbox.get(timeout=1)
+            except queue.Empty:
+                waited += 1
+                if self.worker.exitcode is not None:
+                    break
+                continue
+            if wanted(m):
+                return m
+            if m[0] != arl.LoaderMessage.RELEASED:
+                self.stash.append(m)
+        raise RuntimeError(f'loader: no {kind.value!r} message after {waited} s '
+                           f'(worker exit code {self.worker.exitcode})')
+
+    def _fill(self, s):
+        self.inbox.put((arl.LoaderMessage.FILL, s, self.plan[s], f'{self.prefix}-{s}'))
+
+    def start(self, plan, depth):
+        arl.check_int('depth', depth, 1)
+        while self.next < len(self.plan):         # an unfinished plan: drain it
+            self.take()
+        self.plan, self.depth, self.next, self.runs = plan, depth, 0, self.runs + 1
+        self.prefix = f'arl{os.getpid()}h{id(self) % 10 ** 6}r{self.runs}'
+        for s in range(min(depth, len(plan))):
+            self._fill(s)
+
+    def take(self):
+        s = self.next
+        if s >= len(self.plan):
+            raise RuntimeError(f'all {len(self.plan)} mini-batches of the plan are '
+                               'taken')
+        start = time.perf_counter()
+        _, _, read, _ = self._expect(arl.LoaderMessage.READY, s)
+        self.waits.append((start, time.perf_counter()))
+        self.bytes_read += read
+        shm = shared_memory.SharedMemory(name=f'{self.prefix}-{s}')
+        views = arl.batch_views(shm.buf, self.plan[s])
+        fields = {f: np.array(v) for f, v in views.items()}   # copies: the segment goes
+        del views
+        shm.close()
+        self.inbox.put((arl.LoaderMessage.RELEASE, s))       # the worker unlinks it
+        self.next = s + 1
+        if s + self.depth < len(self.plan):
+            self._fill(s + self.depth)
+        return fields
+
+    def close(self):
+        """Release what is still planned, stop the worker (killed after 30 s)."""
+        try:
+            while self.next < len(self.plan) and self.worker.exitcode is None:
+                self.take()
+        finally:
+            self.inbox.put(None)
+            self.worker.join(timeout=30)
+            if self.worker.exitcode is None:
+                self.worker.kill()
+
+
 def _sampled_span(mask):
     """(first, last + 1) of the sampled positions of mask [T] (bool); (0, 0) if none."""
     where = mask.nonzero()[:, 0]
     return (int(where[0]), int(where[-1]) + 1) if len(where) else (0, 0)
 
 
+class LoadedHidden:
+    """One update's teacher hidden states behind HiddenBuffer's get(keys, dtype,
+    teacher), answered micro-batch by micro-batch from a HeavyLoader: groups are the
+    update's micro-batches in order, [(teacher index, rows)], plan their mini-batches
+    (the hidden rows of each row's span), masks[i] the sampled positions of row i's
+    span. Values pass through `dtype` as HiddenBuffer would store them."""
+    def __init__(self, loader, plan, groups, names, masks, dtype, hidden_dtype):
+        self.loader, self.plan, self.groups, self.names = loader, plan, groups, names
+        self.masks, self.dtype, self.hidden_dtype = masks, dtype, hidden_dtype
+        self.k = 0
+
+    def get(self, keys, dtype=None, teacher=None):
+        if self.k == len(self.groups):
+            raise RuntimeError('the loaded hidden states are read once per update '
+                               '(one epoch); all micro-batches were read')
+        t, rows = self.groups[self.k]
+        if list(keys) != list(rows) or teacher not in (None, self.names[t]):
+            raise ValueError(f'asked for trajectories {list(keys)[:5]} ({teacher}); '
+                             f'the next planned micro-batch is {rows[:5]} '
+                             f'({self.names[t]})')
+        hidden = torch.from_numpy(self.loader.take()['hidden'])        # [tokens, d]
+        if self.hidden_dtype == 'bfloat16':
+            hidden = hidden.view(torch.bfloat16)                 # stored as its bits
+        pieces = [hidden[sl][self.masks[i]]
+                  for sl, i in zip(arl.segment_slices(self.plan[self.k]), rows)]
+        self.k += 1
+        out = torch.cat(pieces).to(self.dtype)
+        return out if dtype is None else out.to(dtype)
+
+
 class StoredDistillation(arl.ScheduledDistillation):
     """Chapter 17's ScheduledDistillation with the teachers' hidden states read from
     chapter 19's trajectory store (store_episodes wrote them) instead of computed by
-    the trunks at the update: route() takes each trajectory's store id
-    (info['store_id']) and its teacher from the metadata alone (the dispatch);
-    teacher_hidden() reads the masks, then the hidden rows from each episode's first
-    sampled token to its last (not the prompt) and keeps the sampled ones; the
-    teachers' heads still come from teacher_store, one resident at a time, and the
-    divergence from fused_linear_kl. stats: also heavy_bytes, the heavy bytes read.
+    the trunks at the update. route() takes each trajectory's store id
+    (info['store_id']) and its teacher from the metadata alone (the dispatch), and
+    each one's sampled span (first to last sampled token, never the prompt) from the
+    mask the trainer holds. teacher_hidden() plans one mini-batch of hidden rows per
+    micro-batch, in the update's teacher order, and a HeavyLoader (started at the
+    first update, stop_loader() ends it) fills them into shared memory as many ahead
+    as loader_memory bytes hold (chapter 19's loader_depth). The teachers' heads still
+    come from teacher_store, one resident at a time, the divergence from
+    fused_linear_kl. stats: also heavy_bytes (read by the loader), loader_depth and
+    loader_bytes (the most shared memory it held: depth x the largest mini-batch).
     """
-    def __init__(self, teacher_store, traj_store, cfg, pad_id, **kwargs):
+    def __init__(self, teacher_store, traj_store, cfg, pad_id, loader_memory=2 ** 20,
+                 **kwargs):
         super().__init__(teacher_store, cfg, pad_id, **kwargs)
-        self.traj_store = traj_store
+        arl.check_int('loader_memory', loader_memory, 1)
+        self.traj_store, self.loader_memory, self.loader = (traj_store, loader_memory,
+                                                            None)
 
     def route(self, trajs):
         ids = [t.info['store_id'] for t in trajs]
@@ -189,22 +326,45 @@ class StoredDistillation(arl.ScheduledDistillation):
             raise ValueError(f'trajectories {lost[:5]} are not in the store')
         self.trajs, self.store_ids = trajs, ids
         self.teacher_ids = [teacher[i] for i in ids]
+        masks = [torch.cat([torch.zeros(1), t.action_mask]).bool() for t in trajs]
+        self.spans = [_sampled_span(m) for m in masks]                 # [T] each
+        self.masks = [m[a:b] for m, (a, b) in zip(masks, self.spans)]
+
+    def plan(self):
+        """The update's micro-batches (self.groups, teacher order) as the loader's
+        mini-batches: the hidden rows of each row's span -> list of batch dicts."""
+        store, plan = self.traj_store, []
+        for _, rows in self.groups:
+            segments = np.array([[self.store_ids[i], *self.spans[i]] for i in rows],
+                                np.int64)                                 # [k, 3]
+            tokens = int((segments[:, 2] - segments[:, 1]).sum())
+            layout, nbytes = arl.buffer_layout(tokens, ('hidden',), store.dtypes,
+                                               store.d)
+            plan.append(dict(segments=segments, tokens=tokens, layout=layout,
+                             nbytes=nbytes, dtypes={'hidden': store.dtypes['hidden']}))
+        return plan
 
     def teacher_hidden(self, dtype):
-        buffer = arl.HiddenBuffer(self.buffer_dtype or dtype)
-        before = self.traj_store.counters['heavy_bytes']
-        masks = [torch.from_numpy(v['mask'].astype(bool))
-                 for v in self.traj_store.read(self.store_ids, ['mask'])]
-        spans = [_sampled_span(m) for m in masks]       # the prompt is never read
-        hidden = self.traj_store.read_hidden(self.store_ids, spans)
-        for i, (m, (a, b), h) in enumerate(zip(masks, spans, hidden)):
-            buffer.put(i, h[m[a:b]], teacher=self.names[self.teacher_ids[i]])
+        plan = self.plan()
+        self.depth = min(arl.loader_depth(plan, self.loader_memory), len(plan))
+        self.in_flight = self.depth * max(b['nbytes'] for b in plan)   # bytes, at most
+        if self.loader is None:          # the store holds this update's episodes now
+            self.loader = HeavyLoader(self.traj_store.root, self.traj_store.d)
+        self.read_before = self.loader.bytes_read
+        self.loader.start(plan, self.depth)
         self.trunks_read = 0
-        self.heavy_bytes = self.traj_store.counters['heavy_bytes'] - before
-        return buffer
+        return LoadedHidden(self.loader, plan, self.groups, self.names, self.masks,
+                            self.buffer_dtype or dtype, self.traj_store.hidden_dtype)
 
     def stats(self, n_tokens):
-        return dict(super().stats(n_tokens), heavy_bytes=self.heavy_bytes)
+        return dict(super().stats(n_tokens), loader_depth=self.depth,
+                    loader_bytes=self.in_flight,
+                    heavy_bytes=self.loader.bytes_read - self.read_before)
+
+    def stop_loader(self):
+        if self.loader is not None:
+            self.loader.close()
+            self.loader = None
 
 
 def _opd_draws(tasks, cfg, gen):
@@ -232,11 +392,13 @@ def train_opd_pipeline(student, teacher_store, tasks, tok, cfg, steps, workdir,
     teachers' heads, one resident at a time (chapter 17); chapter 7's rl_update
     takes the step. cfg: chapter 15's OPDConfig (on-policy only: lam = 1, loss 'jsd').
     history: train_rl's records with loss, reverse_kl, forward_kl, entropy, the
-    step's kills (sigkill, sigterm), lag (how many versions behind its episodes were)
-    and heavy_bytes. timeline: (stage, step, start, stop) in time.perf_counter
-    seconds, stages 'rollout' (a job, in its thread), 'wait' (the trainer waiting for
-    it), 'teachers' (hidden states into the store) and 'update'. parts: more parts
-    for the update, after the distillation (e.g. a probe that records the batch).
+    step's kills (sigkill, sigterm), lag (how many versions behind its episodes
+    were), heavy_bytes, loader_depth and loader_bytes. timeline: (stage, step, start,
+    stop) in time.perf_counter seconds, stages 'rollout' (a job, in its thread),
+    'wait' (the trainer waiting for it), 'teachers' (the episodes and hidden states
+    into the store, its metadata compacted), 'update' and, inside it, 'load' (the
+    trainer waiting for the loader's next micro-batch). parts: more parts for the
+    update, after the distillation (e.g. a probe that records the batch).
     """
     pcfg = PipelineConfig() if pcfg is None else pcfg
     if not isinstance(pcfg, PipelineConfig):
@@ -251,7 +413,8 @@ def train_opd_pipeline(student, teacher_store, tasks, tok, cfg, steps, workdir,
     traj_store = arl.TrajectoryStore(workdir / 'trajectories', d=d,
                                      hidden_dtype=pcfg.hidden_dtype)
     rollouts = Rollouts(workdir / 'rollouts', cfg, pcfg)
-    part = StoredDistillation(teacher_store, traj_store, cfg, tok.pad_id)
+    part = StoredDistillation(teacher_store, traj_store, cfg, tok.pad_id,
+                              loader_memory=pcfg.loader_memory)
     terms = (part, *parts)
     # version: the trainer step whose weights sampled each step's episodes
     timeline, version, now = [], {}, [0]
@@ -263,11 +426,12 @@ def train_opd_pipeline(student, teacher_store, tasks, tok, cfg, steps, workdir,
                 rollouts.submit(ahead, model, *_opd_draws(tasks, cfg, gen))
                 version[ahead] = step
         start = time.perf_counter()
-        trajs, kills, _ = rollouts.collect(step)
+        trajs, kills = rollouts.collect(step)
         timeline.append(('wait', step, start, time.perf_counter()))
         start = time.perf_counter()
         ids = store_episodes(traj_store, teacher_store, trajs, tok.pad_id,
                              cfg.micro_batch_size)
+        traj_store.compact()      # one metadata file: the dispatch reads it every step
         trajs = [replace(t, info=dict(t.info, store_id=i)) for t, i in zip(trajs, ids)]
         timeline.append(('teachers', step, start, time.perf_counter()))
         part.route(trajs)
@@ -280,11 +444,17 @@ def train_opd_pipeline(student, teacher_store, tasks, tok, cfg, steps, workdir,
         start = time.perf_counter()
         stats = arl.rl_update(model, optimizer, batch, advantages, cfg, terms=terms)
         timeline.append(('update', now[0], start, time.perf_counter()))
+        if part.loader is not None:             # None until an update reads hidden
+            timeline.extend(('load', now[0], a, b) for a, b in part.loader.waits)
+            part.loader.waits.clear()
         return stats
 
-    history = arl.train_rl(student, tasks, tok, cfg, steps, eval_tasks, eval_every,
-                           eval_n, progress=progress, sample_fn=sample_fn,
-                           update_fn=update_fn)
+    try:
+        history = arl.train_rl(student, tasks, tok, cfg, steps, eval_tasks,
+                               eval_every, eval_n, progress=progress,
+                               sample_fn=sample_fn, update_fn=update_fn)
+    finally:
+        part.stop_loader()
     timeline += [('rollout', step, a, b) for step, a, b in rollouts.timeline]
     return history, sorted(timeline, key=lambda row: row[2])
 
@@ -382,6 +552,8 @@ __all__ = [
     'PipelineConfig',
     'Rollouts',
     'store_episodes',
+    'HeavyLoader',
+    'LoadedHidden',
     'StoredDistillation',
     'train_opd_pipeline',
     'train_opd_pipeline_cached',

@@ -154,6 +154,8 @@ def test_dispatch_plans_every_token_once_within_budget(tmp_path):
             assert off >= end and n == b['tokens']
             end = off + n * w * arl.HEAVY_DTYPES[f].itemsize
         assert end <= b['nbytes']
+        assert (b['layout'], b['nbytes']) == arl.buffer_layout(
+            b['tokens'], arl.HEAVY_FIELDS, b['dtypes'], store.d)     # one layout rule
     same = arl.dispatch(meta, 256, 1024, world_size=2, seed=3)
     other = arl.dispatch(meta, 256, 1024, world_size=2, seed=4)
     key = lambda p: np.concatenate([b['segments'] for b in p]).tolist()
@@ -732,3 +734,11 @@ def test_loader_context_consumer_equals_one_process(tmp_path):
         assert total == total1 == pytest.approx(l0 + l1, rel=1e-6)
         assert total == pytest.approx(loss.item(), rel=1e-5) and g1 is None
         assert torch.allclose(torch.from_numpy(g0), grad, rtol=1e-5, atol=1e-6)
+
+
+def test_buffer_layout_puts_each_field_on_its_own_pages():
+    dtypes = dict(arl.HEAVY_DTYPES, hidden=np.dtype(np.float32))
+    layout, nbytes = arl.buffer_layout(1000, ('mask', 'hidden'), dtypes, 8)
+    assert layout == {'mask': (0, (1000, 1)), 'hidden': (arl.PAGE_SIZE, (1000, 8))}
+    assert nbytes == arl.PAGE_SIZE + -(-32000 // arl.PAGE_SIZE) * arl.PAGE_SIZE
+    assert arl.buffer_layout(0, ('hidden',), dtypes, 8) == ({'hidden': (0, (0, 8))}, 0)

@@ -2,7 +2,9 @@
 teacher hidden states in chapter 19's store, chapter 17's loss, chapter 7's update) against chapter
 15's train_opd, under real kills, one step off, with discard-and-restart, and its checks."""
 import copy
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,10 +69,12 @@ def test_the_synchronous_pipeline_is_train_opd(setup, tmp_path):
         assert b['loss'] == pytest.approx(a['loss'], rel=1e-5)
         assert b['lag'] == 0 and b['sigkill'] == b['sigterm'] == 0
         assert b['max_resident'] == 1 and b['trunks_read'] == 0 and b['heavy_bytes'] > 0
+        assert b['loader_depth'] >= 1 and 0 < b['loader_bytes'] <= 2 ** 20
     flat = lambda ws: torch.cat([w.flatten() for w in ws])
     moved = (flat(probe.weights[-1]) - flat(student.parameters())).norm()
     assert (flat(probe.weights[-1]) - flat(piped_probe.weights[-1])).norm() < 1e-2 * moved
-    assert {stage for stage, *_ in timeline} == {'rollout', 'wait', 'teachers', 'update'}
+    assert {stage for stage, *_ in timeline} == {'rollout', 'wait', 'teachers', 'update',
+                                                 'load'}
     # every episode and its teacher states went to the store, durably, one row each
     meta = arl.TrajectoryStore(tmp_path / 'run' / 'trajectories').metadata()
     assert meta.num_rows == 3 * cfg.tasks_per_step
@@ -164,6 +168,7 @@ def test_the_cached_run_trains_once(setup, tmp_path, monkeypatch):
     (dict(preemption='retry'), ValueError, 'preemption must be one of'),
     (dict(hidden_dtype='float64'), ValueError, 'hidden_dtype must be one of'),
     (dict(split='test'), ValueError, 'split must be one of'),
+    (dict(loader_memory=0), ValueError, 'loader_memory must be >= 1'),
 ])
 def test_pipeline_config_names_the_bad_field(changes, error, match):
     with pytest.raises(error, match=match):
@@ -186,3 +191,99 @@ def test_train_opd_pipeline_refuses_what_it_cannot_run(setup, tmp_path):
     with pytest.raises(ValueError, match="are not in split 'train'"):
         run(tasks=[t for t in arl.make_tasks('heldout') if t.family == 'calc'][:4],
             folder=tmp_path / 'heldout')
+
+
+def _loader_store(tmp_path, hidden_dtype):
+    """A trajectory store of 6 synthetic trajectories -> (store, ids)."""
+    store = arl.TrajectoryStore(tmp_path / 'store', d=8, hidden_dtype=hidden_dtype)
+    return store, [store.append(arl.synthetic_trajectory(20 + 7 * k, d=8, seed=k))
+                   for k in range(6)]
+
+
+def _plan(store, groups):
+    """One mini-batch of hidden rows per group of (id, start, stop) segments."""
+    plan = []
+    for segments in groups:
+        segments = np.array(segments, np.int64)
+        tokens = int((segments[:, 2] - segments[:, 1]).sum())
+        layout, nbytes = arl.buffer_layout(tokens, ('hidden',), store.dtypes, store.d)
+        plan.append(dict(segments=segments, tokens=tokens, layout=layout, nbytes=nbytes,
+                         dtypes={'hidden': store.dtypes['hidden']}))
+    return plan
+
+
+@pytest.mark.parametrize('hidden_dtype', ['float32', 'bfloat16'])
+def test_the_heavy_loader_hands_over_what_the_store_holds(tmp_path, hidden_dtype):
+    """Every depth gives the bytes a direct read gives, counts them, and leaves no segment
+    behind; a plan left unfinished is drained by the next one."""
+    store, ids = _loader_store(tmp_path, hidden_dtype)
+    groups = [[(ids[0], 0, 20), (ids[3], 5, 30)], [(ids[1], 3, 27)],
+              [(ids[5], 10, 55), (ids[2], 0, 34)]]
+    direct = [np.concatenate([store.read([i], ['hidden'], [(a, b)])[0]['hidden']
+                              for i, a, b in g]) for g in groups]
+    loader = arl.HeavyLoader(store.root, store.d)
+    try:
+        for depth in (1, 2, 5):
+            loader.start(_plan(store, groups), depth)
+            for want in direct:
+                assert np.array_equal(loader.take()['hidden'], want)
+            with pytest.raises(RuntimeError, match='all 3 mini-batches'):
+                loader.take()
+        assert loader.bytes_read == 3 * sum(w.nbytes for w in direct)
+        assert len(loader.waits) == 9
+        loader.start(_plan(store, groups), 2)
+        loader.take()                                   # two left, one of them filled
+        loader.start(_plan(store, groups[:1]), 1)
+        assert np.array_equal(loader.take()['hidden'], direct[0])
+        prefix = loader.prefix
+    finally:
+        loader.close()
+    assert loader.worker.exitcode == 0
+    assert not [p for p in Path('/dev/shm').glob(f'{prefix[:-1]}*')]      # all unlinked
+
+
+def test_loaded_hidden_answers_in_the_planned_order_only(tmp_path):
+    store, ids = _loader_store(tmp_path, 'float32')
+    groups = [(0, [0, 1]), (1, [2])]
+    spans = {0: (0, 10), 1: (2, 12), 2: (4, 9)}
+    plan = _plan(store, [[(ids[i], *spans[i]) for i in rows] for _, rows in groups])
+    masks = {i: torch.arange(b - a) % 2 == 0 for i, (a, b) in spans.items()}
+    loader = arl.HeavyLoader(store.root, store.d)
+    try:
+        loader.start(plan, 2)
+        hidden = arl.LoadedHidden(loader, plan, groups, ['calc', 'max'], masks,
+                                  torch.float32, 'float32')
+        with pytest.raises(ValueError, match=r'next planned micro-batch is \[0, 1\]'):
+            hidden.get([2], teacher='max')
+        with pytest.raises(ValueError, match='next planned'):
+            hidden.get([0, 1], teacher='max')
+        got = hidden.get([0, 1], teacher='calc')
+        rows = [torch.from_numpy(store.read([ids[i]], ['hidden'], [spans[i]])[0]['hidden'])
+                [masks[i]] for i in (0, 1)]
+        assert torch.equal(got, torch.cat(rows))
+        assert hidden.get([2], torch.float64, teacher='max').dtype == torch.float64
+        with pytest.raises(RuntimeError, match='once per update'):
+            hidden.get([0, 1])
+    finally:
+        loader.close()
+
+
+def test_a_loader_budget_below_one_micro_batch_is_refused(setup, tmp_path):
+    tok, tasks, _, store, cfg, student = setup
+    with pytest.raises(ValueError, match='memory_budget=64 bytes holds no mini-batch'):
+        arl.train_opd_pipeline(copy.deepcopy(student), store, tasks, tok, cfg, 1,
+                               tmp_path / 'run', arl.PipelineConfig(loader_memory=64),
+                               progress=False)
+
+
+def test_a_failed_loader_worker_is_reported(tmp_path):
+    store, ids = _loader_store(tmp_path, 'float32')
+    plan = _plan(store, [[(ids[0], 0, 20)]])
+    plan[0]['segments'][0, 2] = 25                  # more rows than its buffer holds
+    loader = arl.HeavyLoader(store.root, store.d, timeout=30)
+    try:
+        loader.start(plan, 1)
+        with pytest.raises(RuntimeError, match='worker exit code 1'):
+            loader.take()
+    finally:
+        loader.close()

@@ -301,6 +301,16 @@ class Distillation(arl.UpdateTerm):
         return dict(self.totals)
 
 
+def opd_draws(tasks, cfg, generator):
+    """A step's first draws from the training generator: cfg.tasks_per_step of
+    `tasks` without replacement, then the coin that makes the step on-policy (with
+    probability cfg.lam) -> (tasks, on_policy). Chapter 20's pipeline draws through it
+    too, so that it trains on the episodes train_opd trains on."""
+    pick = torch.randperm(len(tasks), generator=generator)[:cfg.tasks_per_step].tolist()
+    on_policy = bool(torch.rand(1, generator=generator) < cfg.lam)
+    return [tasks[i] for i in pick], on_policy
+
+
 def train_opd(student, teachers, tasks, tok, cfg, steps, eval_tasks=None,
               eval_every=10, eval_n=8, progress=True, parts=None):
     """On-policy distillation from many teachers, training `student` in place:
@@ -330,9 +340,7 @@ def train_opd(student, teachers, tasks, tok, cfg, steps, eval_tasks=None,
     env_fn = lambda: arl.make_env(cfg)
 
     def sample_fn(model, tasks, step, gen):
-        pick = torch.randperm(len(tasks), generator=gen)[:cfg.tasks_per_step].tolist()
-        picked = [tasks[i] for i in pick]
-        on_policy = bool(torch.rand(1, generator=gen) < cfg.lam)
+        picked, on_policy = opd_draws(tasks, cfg, gen)
         if on_policy:
             trajs = arl.sample_groups(model, env_fn, picked, tok, cfg, gen)
         else:                       # each family's teacher writes its episodes
@@ -383,6 +391,7 @@ __all__ = [
     'route_by_family',
     'distill_loss',
     'Distillation',
+    'opd_draws',
     'train_opd',
     'train_opd_cached',
 ]

@@ -6,6 +6,8 @@ import os
 import random
 import time
 import torch
+import json
+from importlib import resources
 
 
 # -------- Five small helpers
@@ -102,6 +104,37 @@ def set_torch_threads(n=TINY_MODEL_THREADS):
     return previous
 
 
+# -------- Running the book
+
+def timing_record():
+    """The book's record of each chapter's wall time on a 2-core CPU, as
+    tools/execute.py --timing measured it -> {chapter folder: {'cold' | 'warm':
+    dict(seconds, date, cores, ...)}}. Cold: the chapter alone from an empty artefact
+    cache (a first run, and every Colab runtime); warm: everything it needs cached."""
+    text = resources.files('agentrl').joinpath('timings.json').read_text()
+    return json.loads(text)
+
+
+def chapter_cost(chapter):
+    """One line saying what running `chapter` (its folder, e.g. '07_rl_loop') costs,
+    from timing_record(): its cold and warm wall time and the day they were measured."""
+    record = timing_record()
+    if chapter not in record:
+        raise ValueError(f'chapter must be one of {sorted(record)}, got {chapter!r}')
+    times = record[chapter]
+
+    def took(kind):
+        if kind not in times:
+            return 'not measured'
+        seconds = times[kind]['seconds']
+        return f'{seconds:.0f} s' if seconds < 120 else f'{seconds / 60:.1f} min'
+
+    cores = max(t['cores'] for t in times.values())
+    day = max(t['date'] for t in times.values())
+    return (f'This chapter on {cores} CPU cores: {took("cold")} from an empty cache, '
+            f'{took("warm")} warm ({day})')
+
+
 __all__ = [
     'pick_device',
     'seed_everything',
@@ -109,4 +142,6 @@ __all__ = [
     'plot_curves',
     'TINY_MODEL_THREADS',
     'set_torch_threads',
+    'timing_record',
+    'chapter_cost',
 ]

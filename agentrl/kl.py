@@ -179,6 +179,13 @@ class AdaptiveKLController:
         self.coef = used * (1 + self.rate * error)
         return dict(stats, kl_coef=used)
 
+    def state_dict(self):
+        """The coefficient the next step trains with (kept in train_rl's checkpoint)."""
+        return dict(coef=self.coef)
+
+    def load_state_dict(self, state):
+        self.coef = state['coef']
+
 
 __all__ = [
     'KL_ESTIMATORS',

@@ -1046,6 +1046,35 @@ def run_loader(root, d, runs, consume='touch', model_path=None, row_tokens=256,
         loader.stop()
 
 
+def expect_messages(outbox, stash, procs, kind, n=1, step=None, timeout=120, drop=()):
+    """The next n messages of `kind` (about `step`, if given) from the loader's
+    processes `procs`, read from `outbox`; messages that arrive meanwhile wait in the
+    list `stash` for a later call, except those of the kinds in `drop` (nobody waits
+    for them). RuntimeError, naming the exit codes, if a process has failed or no
+    message came for `timeout` seconds."""
+    wanted = lambda m: m[0] == kind and (step is None or m[1] == step)
+    got = [m for m in stash if wanted(m)][:n]
+    for m in got:
+        stash.remove(m)
+    waited = 0
+    while len(got) < n:
+        try:
+            m = outbox.get(timeout=1)
+        except queue.Empty:
+            waited += 1
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed or waited >= timeout:
+                raise RuntimeError(f'loader: no {kind.value!r} message after {waited} '
+                                   f's (exit codes of the processes that failed: '
+                                   f'{failed})') from None
+            continue
+        if wanted(m):
+            got.append(m)
+        elif m[0] not in drop:
+            stash.append(m)
+    return got
+
+
 class _Loader:
     """run_loader's coordinator: the four processes (started at once), their inboxes
     and the outbox they all answer in."""
@@ -1067,26 +1096,9 @@ class _Loader:
             p.start()
 
     def expect(self, kind, n, step=None):
-        """The next n messages of `kind` (about `step`, if given; others are kept for
-        later); RuntimeError if a process has failed or none came for `timeout` s."""
-        wanted = lambda m: m[0] == kind and (step is None or m[1] == step)
-        got = [m for m in self.stash if wanted(m)][:n]
-        for m in got:
-            self.stash.remove(m)
-        waited = 0
-        while len(got) < n:
-            try:
-                m = self.outbox.get(timeout=1)
-            except queue.Empty:
-                waited += 1
-                dead = [p.pid for p in self.procs if p.exitcode not in (None, 0)]
-                if dead or waited >= self.timeout:
-                    raise RuntimeError(f'loader: no {kind.value!r} message after '
-                                       f'{waited} s (processes that failed: {dead})'
-                                       ) from None
-                continue
-            (got if wanted(m) else self.stash).append(m)
-        return got
+        """The next n messages of `kind` (about `step`, if given): expect_messages."""
+        return expect_messages(self.outbox, self.stash, self.procs, kind, n, step,
+                               self.timeout)
 
     def fill(self, s, plan, prefix):
         """Ask worker s % 2 to fill mini-batch s into the shared segment prefix-s."""
@@ -2152,6 +2164,7 @@ __all__ = [
     'loader_worker',
     'LOADERS',
     'run_loader',
+    'expect_messages',
     'loader_depth',
     'rotate',
     'window_attention',

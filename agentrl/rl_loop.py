@@ -6,16 +6,16 @@ from dataclasses import dataclass
 from typing import ClassVar
 import agentrl as arl
 import torch
+from pathlib import Path
 from tqdm.auto import tqdm
-import copy
 import dataclasses
+import os
+import copy
 import hashlib
 import json
-import os
 import pickle
 import re
 import urllib.request
-from pathlib import Path
 
 
 # -------- The configuration
@@ -329,29 +329,22 @@ def informative_groups(trajs):
 
 def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval_n=8,
              ref_model=None, progress=True, transform=None, update_fn=None,
-             sample_fn=None):
+             sample_fn=None, checkpoint=None):
     """The RL loop, training `model` in place: sample, drop zero-advantage groups,
-    rl_update -> history.
-
-    history: one dict per step (episodes sampled before it, lr, behaviour of the
-    sampled batch, kept/sampled counts, update stats), plus 'heldout' (arl.evaluate on
-    eval_tasks with eval_n episodes each, before the step trains) every eval_every
-    steps (eval_every=0: none), and dict(step=steps, episodes, heldout) after the last.
-    progress=False hides the progress bar. Three hooks for later chapters, all None
-    here:
-    sample_fn(model, tasks, step, generator) -> (kept, sampled, extra) samples a step's
-    episodes instead of sample_step, e.g. from the tasks a curriculum picks (chapter
-    14), with a quantised copy of the model (chapter 16) or from teachers (chapter 15:
-    kept is what trains, sampled what the policy itself sampled); the dict extra joins
-    the step's record last (it may restate the behaviour).
-    transform(sampled, step) -> list of Trajectory is applied to each step's sampled
-    episodes before the groups with equal rewards are dropped; it may rescore rewards
-    (chapter 10), change action masks or drop episodes (chapter 11), but must keep each
-    group's episodes consecutive and not draw from the training generator. The
-    behaviour recorded is then that of the transformed episodes ('reward' the rescored
-    one; the outcome shares stay the environment's).
-    update_fn: called instead of arl.rl_update, with its arguments, e.g. with parts of
-    its own (chapters 13 and 16) or another normalisation (chapter 10).
+    rl_update -> history: a dict per step (episodes sampled before it, lr, behaviour
+    of the sampled batch, kept/sampled counts, update stats), with 'heldout'
+    (arl.evaluate, eval_n episodes per eval_task, before the step) every eval_every
+    steps (0: never) and in dict(step=steps, episodes, heldout) after the last.
+    Hooks for later chapters (None here): sample_fn(model, tasks, step, generator) ->
+    (kept, sampled, extra) samples instead of sample_step (a curriculum, chapter 14;
+    a quantised sampler, 16; teachers, 15: kept trains, sampled is the policy's own);
+    extra joins the step's record. transform(sampled, step) -> trajectories, before
+    equal-reward groups are dropped: rescore (chapter 10), re-mask or drop episodes
+    (11), keeping groups consecutive and not drawing from the generator; the record
+    describes its output. update_fn replaces arl.rl_update, same arguments (chapters
+    10, 13, 16). checkpoint: a path; the state is saved there after every step (with
+    each hook's state_dict(), if any) and a run that finds it continues from it, so
+    a run killed anywhere and started again ends bit for bit as if never killed.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f'steps must be an int >= 1, got {steps!r}')
@@ -376,8 +369,13 @@ def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval
         return arl.evaluate(model, eval_tasks, tok, eval_n,
                             generator=torch.Generator().manual_seed(step), cfg=cfg)
 
-    history, episodes = [], 0
-    for step in tqdm(range(steps), desc=f'RL seed {cfg.seed}', disable=not progress):
+    hooks, run = (sample_fn, transform, update_fn), arl.run_identity(model, cfg, steps)
+    state = dict(step=0, episodes=0, history=[])
+    if checkpoint is not None and Path(checkpoint).exists():
+        state = arl.load_checkpoint(checkpoint, run, model, optimizer, gen, hooks)
+    history, episodes = state['history'], state['episodes']
+    for step in tqdm(range(state['step'], steps), desc=f'RL seed {cfg.seed}',
+                     initial=state['step'], total=steps, disable=not progress):
         # the schedule, set by hand: a step that keeps no group takes no optimiser step
         lr = cfg.lr * (1 - step / steps) if cfg.lr_schedule == 'linear' else cfg.lr
         for group in optimizer.param_groups:
@@ -398,9 +396,63 @@ def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval
             record.update(update(model, optimizer, batch, advantages, cfg,
                                  ref_model, gen))
         history.append(record)
+        if checkpoint is not None:
+            state = dict(step=step + 1, episodes=episodes, history=history)
+            arl.save_checkpoint(checkpoint, run, state, model, optimizer, gen, hooks)
     if eval_tasks is not None:
         history.append(dict(step=steps, episodes=episodes, heldout=evaluate(steps)))
     return history
+
+
+def write_atomically(path, write):
+    """Call write(tmp) on a temporary name beside `path`, then rename it to `path`:
+    a reader (a parallel run, a resumed process) sees the old file or the new one,
+    never half of one. The temporary file is removed if write fails."""
+    path = Path(path)
+    tmp = path.with_name(f'{path.name}.{os.getpid()}.tmp')
+    try:
+        write(tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def run_identity(model, cfg, steps):
+    """What a checkpoint belongs to (16 hex digits): the run's config, its length and
+    the weights it started from."""
+    return arl.recipe_hash(dict(cfg=repr(cfg), steps=steps,
+                                start=arl.model_hash(model)))
+
+
+def save_checkpoint(path, run, state, model, optimizer, generator, hooks=()):
+    """Everything train_rl needs to continue after `state['step']` steps, written
+    atomically to `path`: the weights, Adam's moments, the training generator and
+    torch's global generator, `state` (step, episodes, history) and each hook's
+    state_dict() (None for a hook without state). run: run_identity of the run."""
+    hook_states = [h.state_dict() if hasattr(h, 'state_dict') else None for h in hooks]
+    checkpoint = dict(run=run, state=state, model=model.state_dict(),
+                      optimizer=optimizer.state_dict(), generator=generator.get_state(),
+                      torch_rng=torch.get_rng_state(), hooks=hook_states)
+    write_atomically(path, lambda tmp: torch.save(checkpoint, tmp))
+
+
+def load_checkpoint(path, run, model, optimizer, generator, hooks=()):
+    """Restore what save_checkpoint wrote into model, optimizer, generator and hooks
+    -> the saved state dict(step, episodes, history). A checkpoint of another run
+    (another config, length or starting weights) raises ValueError."""
+    # our own file, holding the history's Python objects: not weights_only
+    checkpoint = torch.load(path, weights_only=False)
+    if checkpoint['run'] != run:
+        raise ValueError(f'{path} is a checkpoint of another run (config, steps or '
+                         'starting weights differ): remove it or pass another path')
+    model.load_state_dict(checkpoint['model'])
+    optimizer.load_state_dict(checkpoint['optimizer'])
+    generator.set_state(checkpoint['generator'])
+    torch.set_rng_state(checkpoint['torch_rng'])
+    for hook, state in zip(hooks, checkpoint['hooks']):
+        if state is not None:
+            hook.load_state_dict(state)
+    return checkpoint['state']
 
 
 # The modules a run of this loop executes: the book up to this chapter. A later
@@ -466,9 +518,7 @@ def evaluate_once(model, tasks, tok, n, seed, cfg):
         return pickle.loads(path.read_bytes())
     result = arl.evaluate(model, tasks, tok, n,
                           generator=torch.Generator().manual_seed(seed), cfg=cfg)
-    tmp = path.with_name(f'{path.name}.{os.getpid()}.tmp')
-    tmp.write_bytes(pickle.dumps(result))
-    tmp.replace(path)                     # atomic, as for the runs below
+    arl.write_atomically(path, lambda tmp: tmp.write_bytes(pickle.dumps(result)))
     return result
 
 
@@ -509,11 +559,9 @@ def cached_training(kind, base, key, train, modules=RUN_MODULES):
         return model.eval(), json.loads(log.read_text())['history']
     history = train(model)
     text = json.dumps(dict(key=full, history=history))
-    for path, write in ((weights, lambda p: save_file(model.state_dict(), p)),
-                        (log, lambda p: p.write_text(text))):
-        tmp = path.with_name(f'{path.name}.{os.getpid()}.tmp')
-        write(tmp)
-        tmp.replace(path)       # atomic: parallel runs never see a half-written file
+    # atomic: parallel runs never see a half-written file
+    arl.write_atomically(weights, lambda tmp: save_file(model.state_dict(), tmp))
+    arl.write_atomically(log, lambda tmp: tmp.write_text(text))
     return model.eval(), json.loads(text)['history']
 
 
@@ -634,9 +682,7 @@ def load_artifacts(source):
         if _sha256(data) != digest:
             raise ValueError(f'{name} of {source} does not match its sha256 in the '
                              'manifest: not loaded')
-        tmp = target.with_name(f'{name}.{os.getpid()}.tmp')
-        tmp.write_bytes(data)
-        tmp.replace(target)
+        arl.write_atomically(target, lambda tmp: tmp.write_bytes(data))
         added += 1
     return added
 
@@ -652,6 +698,10 @@ __all__ = [
     'behavior_stats',
     'informative_groups',
     'train_rl',
+    'write_atomically',
+    'run_identity',
+    'save_checkpoint',
+    'load_checkpoint',
     'RUN_MODULES',
     'book_modules',
     'code_hash',

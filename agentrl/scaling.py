@@ -211,6 +211,9 @@ def curriculum_sampler(tok, cfg, low=0.0, high=1.0, revisit=1):
         return kept, sampled, dict(pool=len(pool),
                                    zero_adv_frac=flat / max(len(sampled) // G, 1))
 
+    # the estimates are the sampler's state: train_rl's checkpoints save and restore it
+    sample.state_dict = lambda: dict(estimate=dict(estimate))
+    sample.load_state_dict = lambda state: estimate.update(state['estimate'])
     return sample
 
 

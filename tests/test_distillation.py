@@ -373,3 +373,17 @@ def test_opd_config_is_an_rl_config_without_group_baseline():
         arl.RLConfig(group_size=1)
     with pytest.raises(ValueError, match='teacher_temperature'):
         arl.OPDConfig(teacher_temperature=0.0)
+
+
+def test_opd_draws_picks_tasks_then_flips_the_on_policy_coin():
+    tasks = arl.make_tasks('train')[:20]
+    cfg = arl.OPDConfig(tasks_per_step=5, lam=0.5)
+    gen = torch.Generator().manual_seed(3)
+    picked, on_policy = arl.opd_draws(tasks, cfg, gen)
+    ref = torch.Generator().manual_seed(3)
+    pick = torch.randperm(20, generator=ref)[:5].tolist()
+    assert [t.name for t in picked] == [tasks[i].name for i in pick]
+    assert on_policy == bool(torch.rand(1, generator=ref) < 0.5)
+    assert torch.equal(gen.get_state(), ref.get_state())          # nothing else drawn
+    always = arl.OPDConfig(tasks_per_step=5, lam=1.0)
+    assert all(arl.opd_draws(tasks, always, gen)[1] for _ in range(20))

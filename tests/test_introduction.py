@@ -6,6 +6,7 @@ matplotlib.use('Agg')
 import pytest
 import torch
 import agentrl as arl
+from conftest import REPO
 
 
 def test_pick_device_respects_preference():
@@ -65,3 +66,29 @@ def test_set_torch_threads_rejects_bad_counts(bad):
     with pytest.raises(ValueError, match=r'\bn\b'):
         arl.set_torch_threads(bad)
     assert torch.get_num_threads() == start                  # unchanged
+
+
+def test_timing_record_ships_with_the_package_and_names_every_chapter():
+    record = arl.timing_record()
+    chapters = sorted(p.name for p in (REPO / "chapters").iterdir() if p.is_dir())
+    assert sorted(record) == chapters
+    for times in record.values():
+        for kind, entry in times.items():
+            assert kind in ("cold", "warm") and entry["seconds"] > 0 and entry["cores"] >= 1
+
+
+def test_chapter_cost_says_cold_and_warm_and_fits_the_page(monkeypatch):
+    fake = {"07_rl_loop": {"cold": dict(seconds=428.8, date="2026-12-05", cores=2),
+                           "warm": dict(seconds=31.0, date="2026-12-04", cores=2)},
+            "02_tasks": {"warm": dict(seconds=4.6, date="2026-12-01", cores=2)}}
+    monkeypatch.setattr(arl.introduction, "timing_record", lambda: fake)
+    assert arl.chapter_cost("07_rl_loop") == (
+        "This chapter on 2 CPU cores: 7.1 min from an empty cache, 31 s warm (2026-12-05)")
+    assert "not measured from an empty cache, 5 s warm" in arl.chapter_cost("02_tasks")
+    with pytest.raises(ValueError, match="chapter must be one of"):
+        arl.chapter_cost("99_missing")
+
+
+def test_every_chapters_cost_line_fits_the_page():
+    for chapter in arl.timing_record():
+        assert len(arl.chapter_cost(chapter)) <= 88, chapter

@@ -271,3 +271,16 @@ def test_adaptive_kl_controller_moves_the_coefficient_toward_the_target(monkeypa
     for bad in (dict(coef=0.0), dict(target=0.0), dict(rate=0.0), dict(rate=5.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             arl.AdaptiveKLController(**dict(dict(coef=0.5, target=0.03), **bad))
+
+
+def test_adaptive_kl_controller_state_survives_a_checkpoint(monkeypatch):
+    monkeypatch.setattr(arl, 'rl_update', lambda *args: dict(kl_ref=0.06))
+    controller = arl.AdaptiveKLController(0.5, target=0.03)
+    cfg = arl.KLConfig(kl_coef=0.5)
+    for _ in range(3):
+        controller(None, None, None, None, cfg)
+    restored = arl.AdaptiveKLController(0.5, target=0.03)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.coef == controller.coef == pytest.approx(0.5 * 1.02 ** 3)
+    assert (restored(None, None, None, None, cfg)['kl_coef']
+            == controller(None, None, None, None, cfg)['kl_coef'])

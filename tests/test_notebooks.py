@@ -76,6 +76,8 @@ def test_setup_cell_installs_only_when_missing_and_sets_one_thread(path):
     assert setup.get("id") == "setup"
     assert source.startswith("try:\n    import agentrl as arl\nexcept ImportError:")
     assert "arl.set_torch_threads()" in source
+    # the chapter's cost, printed from the timing record (issue: a reader's first run)
+    assert f"print(arl.chapter_cost('{path.parent.name}'))" in source
 
 
 @pytest.mark.parametrize("page, lang", [("index.md", "en"), ("index_zh.md", "zh")])

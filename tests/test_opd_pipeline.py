@@ -2,6 +2,7 @@
 teacher hidden states in chapter 19's store, chapter 17's loss, chapter 7's update) against chapter
 15's train_opd, under real kills, one step off, with discard-and-restart, and its checks."""
 import copy
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -283,7 +284,59 @@ def test_a_failed_loader_worker_is_reported(tmp_path):
     loader = arl.HeavyLoader(store.root, store.d, timeout=30)
     try:
         loader.start(plan, 1)
-        with pytest.raises(RuntimeError, match='worker exit code 1'):
+        with pytest.raises(RuntimeError, match=r'failed: \[1\]'):
             loader.take()
     finally:
         loader.close()
+    assert not list(Path('/dev/shm').glob(f'{loader.name}*'))   # close removed its segment
+
+
+def test_a_trainer_killed_three_times_ends_on_the_unkilled_weights(setup, tmp_path):
+    """The trainer's crash test: a one-step-off run whose trainer process group is SIGKILLed
+    three times (rollout processes preempted too) ends with the weights and losses of the run
+    that was never killed, bit for bit; the run left no shared-memory segment behind."""
+    tok, tasks, _, store, cfg, student = setup
+    changes = dict(lag=1, kill_rate=0.15, fault_seed=1)
+    clean, clean_h, *_ = _pipeline(setup, tmp_path / 'clean', steps=5, **changes)
+    killed = copy.deepcopy(student)
+    history, deaths = arl.train_with_trainer_kills(
+        killed, store, tasks, tok, cfg, 5, tmp_path / 'killed', arl.PipelineConfig(**changes),
+        kills=3, seed=0)
+    assert len(deaths) == 3 and all(0 <= d['in_step'] <= 5 for d in deaths)
+    for a, b in zip(clean.state_dict().values(), killed.state_dict().values()):
+        assert torch.equal(a, b)
+    assert [r['loss'] for r in history[:5]] == [r['loss'] for r in clean_h[:5]]
+    assert len(list((tmp_path / 'killed').glob('trainer-*.log'))) == 4      # four lives
+    root = str((tmp_path / 'killed' / 'run' / 'trajectories').resolve()).encode()
+    name = f'arl{hashlib.sha256(root).hexdigest()[:12]}'          # HeavyLoader's segments
+    assert not list(Path('/dev/shm').glob(f'{name}*'))    # the dead trainers' ones removed
+
+
+def test_a_resumable_pipeline_needs_the_log_and_refuses_bad_kill_counts(setup, tmp_path):
+    tok, tasks, _, store, cfg, student = setup
+    with pytest.raises(ValueError, match="needs pcfg.preemption 'resume'"):
+        arl.train_opd_pipeline(copy.deepcopy(student), store, tasks, tok, cfg, 2,
+                               tmp_path / 'x', arl.PipelineConfig(preemption='discard'),
+                               progress=False, resumable=True)
+    with pytest.raises(ValueError, match='kills must be <= steps - 1'):
+        arl.train_with_trainer_kills(copy.deepcopy(student), store, tasks, tok, cfg, 2,
+                                     tmp_path / 'y', arl.PipelineConfig(), kills=2)
+
+
+def test_a_rollout_process_that_dies_unexplained_is_finished_from_its_log(setup, tmp_path,
+                                                                         monkeypatch):
+    """A job whose rollout process fails (as with a lost fork-server report, exit code 255) is
+    decoded to the end from its log: the weights are those of the run where nothing failed."""
+    clean, *_ = _pipeline(setup, tmp_path / 'clean', steps=2)
+    real, failed = arl.run_with_preemptions, []
+
+    def fail_first(workdir, spec, *args, **kwargs):
+        if not failed:
+            failed.append(workdir)
+            raise RuntimeError('the rollout process failed (exit code 255)')
+        return real(workdir, spec, *args, **kwargs)
+    monkeypatch.setattr(arl, 'run_with_preemptions', fail_first)
+    survived, *_ = _pipeline(setup, tmp_path / 'failed', steps=2)
+    assert len(failed) == 1
+    for a, b in zip(clean.state_dict().values(), survived.state_dict().values()):
+        assert torch.equal(a, b)

@@ -343,7 +343,7 @@ def test_cached_training_never_reads_a_half_written_file(cache, monkeypatch):
     monkeypatch.setattr(safetensors.torch, 'save_file', crash_half_way)
     with pytest.raises(OSError, match='killed'):
         arl.cached_training('toy', base, dict(x=1), _toy_train(calls))
-    assert [p.suffix for p in cache.iterdir()] == ['.tmp']    # only the temp file is there
+    assert not list(cache.iterdir())               # not even the temporary file is left
     monkeypatch.setattr(safetensors.torch, 'save_file', real_save)
     real_write = pathlib.Path.write_text
 
@@ -357,7 +357,7 @@ def test_cached_training_never_reads_a_half_written_file(cache, monkeypatch):
     assert len(list(cache.glob('toy-*.safetensors'))) == 1
     assert not list(cache.glob('toy-*.json'))
     model, history = arl.cached_training('toy', base, dict(x=1), _toy_train(calls))
-    assert len(calls) == 3                                    # trained again, read no .tmp
+    assert len(calls) == 3                                    # trained again
     assert torch.equal(model.weight, 2 * base.weight)
     assert history == [dict(step=0, pair=[1, 2], value=0.5)]  # JSON: tuples become lists
     final = {p.suffix for p in cache.glob('toy-*') if not p.name.endswith('.tmp')}
@@ -486,3 +486,79 @@ def test_a_bundle_of_runs_built_twice_from_empty_caches_is_the_same_bit_for_bit(
     assert arl.load_artifacts(tmp_path / 'first-bundle') == 4
     monkeypatch.setattr(arl.rl_loop, 'train_rl', None)        # would fail if called
     arl.train_rl_cached(base, tasks, tok, arl.RLConfig(**TINY_RL, seed=1), 2)
+
+
+class Crash(Exception):
+    pass
+
+
+class CountingSampler:
+    """A sample_fn with state (how many steps it sampled), saved in checkpoints."""
+
+    def __init__(self, tok, cfg, crash_at=None):
+        self.tok, self.cfg, self.crash_at, self.calls = tok, cfg, crash_at, 0
+
+    def __call__(self, model, tasks, step, generator):
+        if step == self.crash_at:
+            raise Crash(step)
+        self.calls += 1
+        env_fn = lambda: arl.make_env(self.cfg)
+        kept, sampled = arl.sample_step(model, env_fn, tasks, self.tok, self.cfg, generator)
+        return kept, sampled, dict(calls=self.calls)
+
+    def state_dict(self):
+        return dict(calls=self.calls)
+
+    def load_state_dict(self, state):
+        self.calls = state['calls']
+
+
+def _checkpointed_run(setup, tasks, path, crash_at=None, steps=4, seed=0, eval_tasks=None):
+    tok, model = setup
+    model = copy.deepcopy(model)
+    cfg = arl.RLConfig(**dict(TINY_RL, seed=seed))
+    sampler = CountingSampler(tok, cfg, crash_at)
+    history = arl.train_rl(model, tasks, tok, cfg, steps, eval_tasks=eval_tasks,
+                           eval_every=2, eval_n=2, progress=False, sample_fn=sampler,
+                           checkpoint=path)
+    return model, history
+
+
+@pytest.mark.parametrize('crash_at', [1, 3])
+def test_train_rl_resumes_from_its_checkpoint_bit_for_bit(tiny_rl, setup, tmp_path, crash_at):
+    tasks, eval_tasks = arl.make_tasks('train')[:10], arl.make_tasks('heldout')[:2]
+    straight, history = _checkpointed_run(setup, tasks, None, eval_tasks=eval_tasks)
+    assert sum('loss' in h for h in history) >= 2            # the run really updates
+    path = tmp_path / 'run.pt'
+    with pytest.raises(Crash):
+        _checkpointed_run(setup, tasks, path, crash_at=crash_at, eval_tasks=eval_tasks)
+    saved = torch.load(path, weights_only=False)
+    assert saved['state']['step'] == crash_at and saved['hooks'][0] == dict(calls=crash_at)
+    resumed, resumed_history = _checkpointed_run(setup, tasks, path, eval_tasks=eval_tasks)
+    assert resumed_history == history                        # the hook's count included
+    assert all(torch.equal(p, q) for p, q in zip(resumed.parameters(), straight.parameters()))
+    assert not list(tmp_path.glob('*.tmp'))
+
+
+def test_train_rl_refuses_another_runs_checkpoint(tiny_rl, setup, tmp_path):
+    tasks = arl.make_tasks('train')[:10]
+    path = tmp_path / 'run.pt'
+    with pytest.raises(Crash):
+        _checkpointed_run(setup, tasks, path, crash_at=2)
+    for changes in (dict(seed=1), dict(steps=5)):
+        with pytest.raises(ValueError, match='checkpoint of another run'):
+            _checkpointed_run(setup, tasks, path, **changes)
+
+
+def test_write_atomically_leaves_the_old_file_whole_when_the_writer_dies(tmp_path):
+    path = tmp_path / 'data.bin'
+    arl.write_atomically(path, lambda tmp: tmp.write_bytes(b'old'))
+
+    def torn(tmp):
+        tmp.write_bytes(b'ne')
+        raise OSError('killed while writing')
+    with pytest.raises(OSError, match='killed'):
+        arl.write_atomically(path, torn)
+    assert path.read_bytes() == b'old' and [p.name for p in tmp_path.iterdir()] == ['data.bin']
+    arl.write_atomically(path, lambda tmp: tmp.write_bytes(b'new'))
+    assert path.read_bytes() == b'new'

@@ -367,3 +367,19 @@ def test_data_parallel_worker_two_ranks_global_normalisation_is_the_full_batch(t
     assert rel(grads['global'], full) < 1e-5
     assert rel(grads['local'], per_rank_mean) < 1e-5
     assert rel(grads['local'], full) > 0.05
+
+
+def test_curriculum_sampler_state_survives_a_checkpoint():
+    tasks = arl.make_tasks('train')[:6]
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+    torch.manual_seed(0)
+    model = arl.TinyAgent(len(tok), d_model=16, n_layers=1, n_heads=2, max_len=64)   # never correct
+    cfg = arl.RLConfig(group_size=2, tasks_per_step=4, max_tokens=24, max_turns=1)
+    first = arl.curriculum_sampler(tok, cfg, revisit=0)
+    gen = torch.Generator().manual_seed(0)
+    assert first(model, tasks, 0, gen)[2]['pool'] == 6
+    fresh, restored = (arl.curriculum_sampler(tok, cfg, revisit=0) for _ in range(2))
+    restored.load_state_dict(first.state_dict())
+    pools = [s(model, tasks, 1, torch.Generator().manual_seed(1))[2]['pool']
+             for s in (first, fresh, restored)]
+    assert pools == [2, 6, 2]               # without its state a resumed run would differ

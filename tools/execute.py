@@ -9,7 +9,8 @@
 Each notebook runs in a fresh `python3` kernel whose working directory is the chapter folder,
 with a one-hour limit per cell (CELL_TIMEOUT). The first failing cell stops everything (exit 1).
 
-`--timing` records each chapter's wall time in `timings.json` (committed): *warm* runs with the
+`--timing` records each chapter's wall time in `agentrl/timings.json` (committed; package data
+that chapter 1's `chapter_cost` reads): *warm* runs with the
 usual artefact cache, *cold* with an empty one made for that chapter alone (what a Colab reader
 pays: the RL base, the runs and the teachers it needs are built). Each entry keeps the date, the
 machine, the load average before the run (a timing is only worth recording on an idle machine)
@@ -132,7 +133,7 @@ def execute_notebook(path: Path, root: Path, write: bool = True,
         nbtools.write_nb(nb, path)
 
 
-TIMINGS = "timings.json"
+TIMINGS = "agentrl/timings.json"  # package data: chapter 1's chapter_cost reads it
 README_START, README_END = "<!-- timings: start -->", "<!-- timings: end -->"
 
 
@@ -164,6 +165,7 @@ def record_timing(path: Path, chapter: str, mode: str, seconds: float, built: se
     if mode not in ("cold", "warm"):
         raise ValueError(f"mode must be 'cold' or 'warm', got {mode!r}")
     data = json.loads(path.read_text()) if path.exists() else {}
+    path.parent.mkdir(parents=True, exist_ok=True)
     data.setdefault(chapter, {})[mode] = dict(
         seconds=round(seconds, 1), date=datetime.date.today().isoformat(),
         cpu=cpu_name(), cores=os.cpu_count(), load_before=round(load, 2),

@@ -600,22 +600,23 @@ def train_with_trainer_kills(student, teacher_store, tasks, tok, cfg, steps, wor
     each time until the run ends. Trains `student` in place -> (history, deaths).
 
     Kill k lands once the checkpoint holds the k-th of `kills` distinct steps drawn
-    from 1 .. steps - 1 (seeded), after a further delay drawn uniformly within the
-    duration of the last step timed (none before one is: the first kill may land as a
-    step starts), so most land in the middle of a step: in a rollout, a
+    from 1 .. steps - 2 (seeded), after a further delay drawn uniformly within half
+    the duration of the last step timed (none before one is: the first kill may land
+    as a step starts), so that it lands before the run's last step ends, most in the
+    middle of a step: in a rollout, a
     teachers' pass or an update. deaths: one dict per kill (in_step: the step the
     trainer was running, i.e. the steps its checkpoint held; delay_s: the delay).
     """
     arl.check_int('kills', kills, 0)
-    if kills > steps - 1:
-        raise ValueError(f'kills must be <= steps - 1 = {steps - 1}, got {kills}')
+    if kills > steps - 2:
+        raise ValueError(f'kills must be <= steps - 2 = {steps - 2}, got {kills}')
     workdir = Path(workdir)
     workdir.mkdir(parents=True)
     job_file, checkpoint = workdir / 'job.pt', workdir / 'run' / 'trainer.pt'
     torch.save(dict(student=student, teachers=str(teacher_store.root), tasks=tasks,
                     tok=tok, cfg=cfg, steps=steps, pcfg=pcfg), job_file)
     rng = np.random.default_rng(seed)
-    at = sorted(rng.choice(np.arange(1, steps), kills, replace=False).tolist())
+    at = sorted(rng.choice(np.arange(1, steps - 1), kills, replace=False).tolist())
     fractions = rng.random(kills).tolist()
     deaths, step_s = [], None
     command = [sys.executable, '-c', 'import sys, agentrl; '
@@ -635,7 +636,7 @@ def train_with_trainer_kills(student, teacher_store, tasks, tok, cfg, steps, wor
                     if since is not None:      # a whole step of this life, no start-up
                         step_s = time.monotonic() - since
                     seen, since = now, time.monotonic()
-            delay = fractions[life] * (step_s or 0.0)       # 0 until a step is timed
+            delay = fractions[life] * (step_s or 0.0) / 2   # 0 until a step is timed
             time.sleep(delay)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -318,9 +318,9 @@ def test_a_resumable_pipeline_needs_the_log_and_refuses_bad_kill_counts(setup, t
         arl.train_opd_pipeline(copy.deepcopy(student), store, tasks, tok, cfg, 2,
                                tmp_path / 'x', arl.PipelineConfig(preemption='discard'),
                                progress=False, resumable=True)
-    with pytest.raises(ValueError, match='kills must be <= steps - 1'):
+    with pytest.raises(ValueError, match='kills must be <= steps - 2'):
         arl.train_with_trainer_kills(copy.deepcopy(student), store, tasks, tok, cfg, 2,
-                                     tmp_path / 'y', arl.PipelineConfig(), kills=2)
+                                     tmp_path / 'y', arl.PipelineConfig(), kills=1)
 
 
 def test_a_rollout_process_that_dies_unexplained_is_finished_from_its_log(setup, tmp_path,

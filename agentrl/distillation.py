@@ -122,13 +122,13 @@ def make_teachers(tok, recipe=None, base=None, families=None, with_history=False
     heldout = arl.make_tasks('heldout')
     cfg = arl.RLConfig(seed=recipe['seed'], lr=recipe['lr'],
                        tasks_per_step=recipe['tasks_per_step'])
-    teachers, histories = {}, {}
-    for family in families:
+
+    def specialist(family):
         tasks = [t for t in pool if t.family == family]
         key = dict(recipe, family=family, tasks=arl.tasks_hash(tasks), vocab=tok.itos,
                    cfg=dataclasses.asdict(cfg), eval_tasks=arl.tasks_hash(heldout))
 
-        def run(model, tasks=tasks):
+        def run(model):
             history = arl.train_rl(model, tasks, tok, cfg, recipe['steps'],
                                    progress=False)
             if recipe['eval_n'] > 0:
@@ -136,9 +136,12 @@ def make_teachers(tok, recipe=None, base=None, families=None, with_history=False
                 history.append(dict(step=recipe['steps'], heldout=arl.evaluate(
                     model, heldout, tok, recipe['eval_n'], generator=gen, cfg=cfg)))
             return history
+        return arl.cached_training('teacher', base, key, run, modules=distill_modules())
 
-        teachers[family], histories[family] = arl.cached_training(
-            'teacher', base, key, run, modules=distill_modules())
+    # independent runs: trained side by side, one per core (chapter 7's parallel_map)
+    runs = dict(zip(families, arl.parallel_map(specialist, families)))
+    teachers = {family: model for family, (model, _) in runs.items()}
+    histories = {family: history for family, (_, history) in runs.items()}
     return (teachers, histories) if with_history else teachers
 
 

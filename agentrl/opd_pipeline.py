@@ -122,9 +122,10 @@ class Rollouts:
                     folder / 'job', spec, self.pcfg.kill_rate,
                     seed=self.pcfg.fault_seed * 1_000_003 + step,
                     mode=self.pcfg.preemption, p_sigterm=self.pcfg.p_sigterm)
-            except RuntimeError:
-                # a rollout process that died unexplained (exit code 255: its fork
-                # server's report was lost) is one more crash: the log has its tokens
+            except arl.RolloutFailed:
+                # a rollout process that died unexplained (seen: exit code 255, its
+                # fork server's report lost) is one more crash: its log has its tokens,
+                # and a failure of the job itself fails again in _finish
                 if self.pcfg.preemption != 'resume':
                     raise
                 return self._finish(folder, spec)
@@ -581,15 +582,57 @@ def pipeline_main(job_file):
                          lambda tmp: torch.save(result, tmp))
 
 
-def _checkpointed_steps(path, seen={}):
-    """How many steps the trainer's checkpoint at path holds (0 if none yet); read
-    again only when the file changed (seen: path -> (mtime, steps))."""
+def _group_members(pgid):
+    """The pids of the live processes of process group pgid, from Linux's /proc."""
+    members = []
+    for stat in Path('/proc').glob('[0-9]*/stat'):
+        try:                            # after the ')' of the name: state ppid pgrp
+            fields = stat.read_text().rsplit(')', 1)[1].split()
+        except OSError:                 # it ended while we looked
+            continue
+        if int(fields[2]) == pgid and fields[0] != 'Z':
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _is_resource_tracker(pid):
+    try:
+        return b'resource_tracker' in Path(f'/proc/{pid}/cmdline').read_bytes()
+    except OSError:
+        return False
+
+
+def kill_process_group(pgid):
+    """SIGKILL every process of group pgid but multiprocessing's resource tracker,
+    which, once its clients are gone, unlinks the semaphores they left in /dev/shm
+    (a killpg would take it down with them, and each kill would leak some). Where
+    there is no /proc, os.killpg."""
+    if not Path('/proc/self/stat').exists():
+        os.killpg(pgid, signal.SIGKILL)
+        return
+    for _ in range(100):                # a child forked meanwhile: the next pass
+        doomed = [p for p in _group_members(pgid) if not _is_resource_tracker(p)]
+        if not doomed:
+            return
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    raise RuntimeError(f'process group {pgid} keeps starting processes')
+
+
+def _checkpointed_steps(path, read):
+    """How many steps the trainer's checkpoint at path holds (0 if none yet). read:
+    the caller's dict, path -> (mtime, steps), so that a file polled every 50 ms is
+    loaded again only when it changed."""
     if not path.exists():
         return 0
     mtime = path.stat().st_mtime_ns
-    if seen.get(path, (None,))[0] != mtime:
-        seen[path] = mtime, torch.load(path, weights_only=False)['state']['step']
-    return seen[path][1]
+    if read.get(path, (None,))[0] != mtime:
+        read[path] = mtime, torch.load(path, weights_only=False)['state']['step']
+    return read[path][1]
 
 
 def train_with_trainer_kills(student, teacher_store, tasks, tok, cfg, steps, workdir,
@@ -618,20 +661,20 @@ def train_with_trainer_kills(student, teacher_store, tasks, tok, cfg, steps, wor
     rng = np.random.default_rng(seed)
     at = sorted(rng.choice(np.arange(1, steps - 1), kills, replace=False).tolist())
     fractions = rng.random(kills).tolist()
-    deaths, step_s = [], None
+    deaths, step_s, read = [], None, {}   # read: the checkpoint's steps, by mtime
     command = [sys.executable, '-c', 'import sys, agentrl; '
                'agentrl.pipeline_main(sys.argv[1])', str(job_file)]
     for life in range(kills + 1):
         with open(workdir / f'trainer-{life}.log', 'w') as log:
-            # a session of its own: one killpg reaches every process it started
+            # a session of its own: its process group holds every process it started
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         start = time.monotonic()
         if life < kills:
-            seen, since = _checkpointed_steps(checkpoint), None
+            seen, since = _checkpointed_steps(checkpoint, read), None
             while proc.poll() is None and seen < at[life]:
                 time.sleep(0.05)
-                now = _checkpointed_steps(checkpoint)
+                now = _checkpointed_steps(checkpoint, read)
                 if now > seen:
                     if since is not None:      # a whole step of this life, no start-up
                         step_s = time.monotonic() - since
@@ -639,9 +682,9 @@ def train_with_trainer_kills(student, teacher_store, tasks, tok, cfg, steps, wor
             delay = fractions[life] * (step_s or 0.0) / 2   # 0 until a step is timed
             time.sleep(delay)
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_process_group(proc.pid)
                 proc.wait()
-                deaths.append(dict(in_step=_checkpointed_steps(checkpoint),
+                deaths.append(dict(in_step=_checkpointed_steps(checkpoint, read),
                                    delay_s=round(delay, 3)))
                 continue
         if proc.wait(timeout=max(timeout - (time.monotonic() - start), 1)) != 0:
@@ -722,6 +765,7 @@ __all__ = [
     'train_opd_pipeline',
     'train_opd_pipeline_cached',
     'pipeline_main',
+    'kill_process_group',
     'train_with_trainer_kills',
     'MXFP4_BITS',
     'linear_weights',

@@ -15,6 +15,9 @@ import hashlib
 import json
 import pickle
 import re
+import multiprocessing
+import traceback
+from multiprocessing.connection import wait
 import urllib.request
 
 
@@ -576,6 +579,89 @@ def train_rl_cached(base, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10
         model, tasks, tok, cfg, steps, eval_tasks, eval_every, eval_n, progress=False))
 
 
+def usable_cores():
+    """The number of CPU cores this process may run on (its affinity where the OS
+    says, else os.cpu_count())."""
+    if hasattr(os, 'sched_getaffinity'):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _map_worker(fn, items, threads, conn):
+    """A forked child of parallel_map: receive an index, send back pickle.dumps of
+    (index, fn(items[index]), None), or (index, None, traceback); None ends it."""
+    torch.set_num_threads(threads)      # the parent's count: the same rounding
+    while (i := conn.recv()) is not None:
+        try:
+            message = pickle.dumps((i, fn(items[i]), None))
+        except BaseException:           # an error, or a result that cannot pickle
+            message = pickle.dumps((i, None, traceback.format_exc()))
+        conn.send_bytes(message)
+    conn.close()
+
+
+def parallel_map(fn, items, workers=None):
+    """[fn(item) for item in items], computed by `workers` processes at once -> the
+    list of results, in the order of `items`.
+
+    For independent runs, such as the cached runs of a comparison: each worker is a
+    forked copy of this process (so fn may be a lambda over the notebook's variables)
+    with the same torch thread count; it takes the next item as soon as it is free,
+    and sends its result back pickled. A run's result does not depend on the process
+    that computes it (train_rl seeds its own generators), so the list equals the
+    plain loop's bit for bit, and the runs land in the cache as the loop would write
+    them. What fn changes besides files (a dict, a counter) stays in the worker.
+    workers: default usable_cores(). With one worker or one item, where the OS cannot
+    fork (Windows), or once CUDA is initialised (a forked child cannot use it), the
+    plain loop runs here. An exception in fn raises RuntimeError with its traceback.
+    """
+    items = list(items)
+    workers = usable_cores() if workers is None else workers
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f'workers must be an int >= 1, got {workers!r}')
+    workers = min(workers, len(items))
+    if (workers <= 1 or 'fork' not in multiprocessing.get_all_start_methods()
+            or torch.cuda.is_initialized()):
+        return [fn(item) for item in items]
+    context = multiprocessing.get_context('fork')
+    results, todo, busy = [None] * len(items), iter(range(len(items))), {}
+    children, conns = [], []
+    try:
+        for _ in range(workers):
+            here, there = context.Pipe()
+            child = context.Process(target=_map_worker, args=(
+                fn, items, torch.get_num_threads(), there))
+            child.start()
+            there.close()
+            children.append(child)
+            conns.append(here)
+            busy[here] = next(todo)
+            here.send(busy[here])
+        while busy:
+            for conn in wait(list(busy)):
+                try:
+                    i, result, error = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    raise RuntimeError(f'a worker died computing item {busy[conn]} '
+                                       f'({items[busy[conn]]!r})') from None
+                if error is not None:
+                    raise RuntimeError(f'fn({items[i]!r}) raised in a worker:\n{error}')
+                results[i] = result
+                busy[conn] = next(todo, None)
+                conn.send(busy[conn])
+                if busy[conn] is None:
+                    del busy[conn]
+    finally:                            # on an error, the other workers are stopped
+        for conn in conns:
+            conn.close()
+        for child in children:
+            child.join(timeout=0 if busy else 5)
+            if child.is_alive():
+                child.kill()
+                child.join()
+    return results
+
+
 # -------- Training
 
 def seed_paired(a, b, level=0.95, n_boot=2000, seed=0):
@@ -710,6 +796,8 @@ __all__ = [
     'evaluate_once',
     'cached_training',
     'train_rl_cached',
+    'usable_cores',
+    'parallel_map',
     'seed_paired',
     'BUNDLE_MANIFEST',
     'export_artifacts',

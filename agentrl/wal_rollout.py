@@ -1211,6 +1211,16 @@ def _count_lines(path):
     return path.read_bytes().count(b'\n') if path.exists() else 0
 
 
+class RolloutFailed(RuntimeError):
+    """A rollout process that ended neither finished nor by our signal (exitcode:
+    its exit code): a crash of its own, which its log survives like any other."""
+
+    def __init__(self, folder, exitcode):
+        super().__init__(f'the rollout process in {folder} failed (exit code '
+                         f'{exitcode})')
+        self.exitcode = exitcode
+
+
 def _run_until_kill(folder, spec, steps, signal_name, grace_s):
     """Launch the job in `folder`, let its process commit `steps` decoding steps, then
     stop it with signal_name ('SIGTERM': preempt_rollout with grace_s; 'SIGKILL') -> how
@@ -1231,8 +1241,7 @@ def _run_until_kill(folder, spec, steps, signal_name, grace_s):
         ends = {0: 'finished', -signal.SIGKILL: 'killed'}
         outcome = ends.get(proc.exitcode, 'failed')
     if outcome == 'failed':
-        raise RuntimeError(f'the rollout process in {folder} failed (exit code '
-                           f'{proc.exitcode})')
+        raise RolloutFailed(folder, proc.exitcode)
     return outcome
 
 
@@ -1369,5 +1378,6 @@ __all__ = [
     'rollout_main',
     'PREEMPTION_MODES',
     'decoded_steps',
+    'RolloutFailed',
     'run_with_preemptions',
 ]

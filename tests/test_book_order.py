@@ -54,7 +54,9 @@ def forward_edges():
             continue
         nb = json.loads((REPO / "chapters" / chapter / "en.ipynb").read_text())
         for cell in nb["cells"]:
-            if cell["cell_type"] != "code":
+            # the setup cell is every chapter's same preamble (on Colab it installs the
+            # package's release and loads its artefacts), not the chapter's own code
+            if cell["cell_type"] != "code" or cell.get("id") == "setup":
                 continue
             for name in arl_names("".join(cell["source"])):
                 if home.get(name, -1) > i:

@@ -80,6 +80,20 @@ def test_setup_cell_installs_only_when_missing_and_sets_one_thread(path):
     assert f"print(arl.chapter_cost('{path.parent.name}'))" in source
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_setup_cell_installs_the_release_of_this_version_and_loads_its_artefacts(path):
+    """On Colab the setup cell installs the package at the tag of pyproject's version (the
+    release workflow makes it) and loads that release's artefact bundle, not main's code."""
+    import tomllib
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    source = "".join(code_cells(path)[0]["source"])
+    url = "https://github.com/agentrl-from-scratch/agentic-rl-from-scratch"
+    assert f"REPO = '{url}'" in source
+    assert f'%pip install -q "agentrl-from-scratch @ git+{{REPO}}@v{version}"' in source
+    assert "arl.load_artifacts(f'{REPO}/releases/download/v{arl.__version__}')" in source
+    assert "except OSError" in source     # no release reachable: the chapter trains
+
+
 @pytest.mark.parametrize("page, lang", [("index.md", "en"), ("index_zh.md", "zh")])
 def test_landing_page_lists_exactly_the_written_chapters(page, lang):
     """Each site's landing page (index.md: English, index_zh.md: Chinese) says which chapters

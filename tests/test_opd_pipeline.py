@@ -3,6 +3,7 @@ teacher hidden states in chapter 19's store, chapter 17's loss, chapter 7's upda
 15's train_opd, under real kills, one step off, with discard-and-restart, and its checks."""
 import copy
 import hashlib
+import time
 from pathlib import Path
 
 import numpy as np
@@ -298,6 +299,7 @@ def test_a_trainer_killed_three_times_ends_on_the_unkilled_weights(setup, tmp_pa
     tok, tasks, _, store, cfg, student = setup
     changes = dict(lag=1, kill_rate=0.15, fault_seed=1)
     clean, clean_h, *_ = _pipeline(setup, tmp_path / 'clean', steps=5, **changes)
+    semaphores = set(Path('/dev/shm').glob('sem.mp-*'))
     killed = copy.deepcopy(student)
     history, deaths = arl.train_with_trainer_kills(
         killed, store, tasks, tok, cfg, 5, tmp_path / 'killed', arl.PipelineConfig(**changes),
@@ -310,6 +312,13 @@ def test_a_trainer_killed_three_times_ends_on_the_unkilled_weights(setup, tmp_pa
     root = str((tmp_path / 'killed' / 'run' / 'trajectories').resolve()).encode()
     name = f'arl{hashlib.sha256(root).hexdigest()[:12]}'          # HeavyLoader's segments
     assert not list(Path('/dev/shm').glob(f'{name}*'))    # the dead trainers' ones removed
+    # and their semaphores: the resource tracker, spared by the kills, unlinks them
+    for _ in range(100):
+        leaked = set(Path('/dev/shm').glob('sem.mp-*')) - semaphores
+        if not leaked:
+            break
+        time.sleep(0.05)
+    assert not leaked
 
 
 def test_a_resumable_pipeline_needs_the_log_and_refuses_bad_kill_counts(setup, tmp_path):
@@ -333,10 +342,36 @@ def test_a_rollout_process_that_dies_unexplained_is_finished_from_its_log(setup,
     def fail_first(workdir, spec, *args, **kwargs):
         if not failed:
             failed.append(workdir)
-            raise RuntimeError('the rollout process failed (exit code 255)')
+            raise arl.RolloutFailed(workdir, 255)
         return real(workdir, spec, *args, **kwargs)
     monkeypatch.setattr(arl, 'run_with_preemptions', fail_first)
     survived, *_ = _pipeline(setup, tmp_path / 'failed', steps=2)
     assert len(failed) == 1
     for a, b in zip(clean.state_dict().values(), survived.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_kill_process_group_spares_the_resource_tracker_which_unlinks_the_semaphores():
+    """A process group holding forkserver semaphores (a Queue, as the loader's) killed by
+    kill_process_group: every process dies but the resource tracker, which unlinks them."""
+    import subprocess
+    import sys
+    code = ("import multiprocessing as mp, time\n"
+            "ctx = mp.get_context('forkserver')\n"
+            "q = ctx.Queue(); p = ctx.Process(target=time.sleep, args=(60,)); p.start()\n"
+            "print('ready', flush=True); time.sleep(60)\n")
+    before = set(Path('/dev/shm').glob('sem.mp-*'))
+    proc = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE,
+                            start_new_session=True)
+    assert proc.stdout.readline().strip() == b'ready'
+    assert set(Path('/dev/shm').glob('sem.mp-*')) - before          # the queue's semaphores
+    assert len(arl.opd_pipeline._group_members(proc.pid)) >= 3      # parent, server, child
+    arl.kill_process_group(proc.pid)
+    assert proc.wait(timeout=10) == -9
+    for _ in range(200):
+        leaked = set(Path('/dev/shm').glob('sem.mp-*')) - before
+        if not leaked and not arl.opd_pipeline._group_members(proc.pid):
+            break
+        time.sleep(0.05)
+    assert not leaked                                   # unlinked by the tracker
+    assert not arl.opd_pipeline._group_members(proc.pid)   # which then ended too

@@ -562,3 +562,66 @@ def test_write_atomically_leaves_the_old_file_whole_when_the_writer_dies(tmp_pat
     assert path.read_bytes() == b'old' and [p.name for p in tmp_path.iterdir()] == ['data.bin']
     arl.write_atomically(path, lambda tmp: tmp.write_bytes(b'new'))
     assert path.read_bytes() == b'new'
+
+
+# ---------------------------------------------------------------- parallel_map
+def _cache_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_parallel_map_trains_the_plain_loops_runs_bit_for_bit(monkeypatch, tmp_path, tiny_rl,
+                                                              setup):
+    tok, base = setup
+    tasks, eval_tasks = arl.make_tasks('train')[:10], arl.make_tasks('heldout')[:2]
+    seeds = [0, 1, 2]
+
+    def run(seed):
+        return arl.train_rl_cached(base, tasks, tok, arl.RLConfig(**dict(TINY_RL, seed=seed)),
+                                   3, eval_tasks=eval_tasks, eval_every=2, eval_n=2)
+    out = {}
+    for way, workers in (('loop', 1), ('parallel', 2)):
+        monkeypatch.setenv('AGENTRL_CACHE', str(tmp_path / way))
+        out[way] = arl.parallel_map(run, seeds, workers=workers)
+    for (m1, h1), (m2, h2) in zip(out['loop'], out['parallel']):
+        assert h1 == h2 and _same_weights(m1, m2)
+    assert not _same_weights(out['loop'][0][0], out['loop'][1][0])   # three different runs
+    assert _cache_bytes(tmp_path / 'loop') == _cache_bytes(tmp_path / 'parallel')
+    assert len(_cache_bytes(tmp_path / 'loop')) == 2 * len(seeds) + 1  # runs + first eval
+
+
+def test_parallel_map_keeps_the_order_and_reports_what_went_wrong():
+    import os
+    assert arl.parallel_map(lambda x: x * x, range(7), workers=3) == [x * x for x in range(7)]
+    assert arl.parallel_map(lambda x: x, [], workers=2) == []
+    with pytest.raises(RuntimeError, match='ZeroDivisionError'):
+        arl.parallel_map(lambda x: 1 / x, [1, 0, 2], workers=2)
+    with pytest.raises(RuntimeError, match='died computing item 1'):
+        arl.parallel_map(lambda x: os._exit(3) if x == 1 else x, [0, 1, 2], workers=2)
+    with pytest.raises(RuntimeError, match='pickle'):                # a result that cannot travel
+        arl.parallel_map(lambda x: (lambda: x), [0, 1], workers=2)
+    for workers in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match='workers'):
+            arl.parallel_map(abs, [1, 2], workers=workers)
+
+
+def test_parallel_map_runs_here_with_one_worker_and_in_copies_otherwise():
+    seen = []
+    arl.parallel_map(seen.append, [1, 2], workers=1)
+    assert seen == [1, 2]                                  # the plain loop, in this process
+    arl.parallel_map(seen.append, [3, 4], workers=2)
+    assert seen == [1, 2]                                  # the workers' changes stay there
+    assert arl.usable_cores() >= 1
+
+
+def test_the_parallel_runs_benchmark_records_identical_runs(tmp_path):
+    """tools/parallel_runs.py (chapter 7 prints its record): a tiny smoke run of it."""
+    import subprocess
+    import sys
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / 'parallel.json'
+    subprocess.run([sys.executable, str(repo / 'tools' / 'parallel_runs.py'), '--steps', '1',
+                    '--seeds', '2', '--out', str(out)], check=True, capture_output=True)
+    record = json.loads(out.read_text())
+    assert record['identical'] and record['runs'] == 2 and record['steps'] == 1
+    assert len(set(record['weights'])) == 2                # two seeds, two different runs
+    assert {'date', 'cpu', 'cores', 'load_before', 'sequential_s', 'parallel_s'} <= set(record)

@@ -199,6 +199,26 @@ def test_workflow_builds_with_make_book_and_deploys_to_pages():
     assert upload["with"]["path"] == "_build/html"
 
 
+
+def test_release_workflow_tags_the_version_and_attaches_make_artifacts_bundle():
+    """A push to main with a new pyproject version is tagged v<version> (before the long build,
+    so that the setup cells' pinned install works at once), then `make artifacts` builds the
+    bundle that the setup cells load, attached to that release."""
+    workflow = load(".github/workflows/release.yml")
+    triggers = workflow.get("on", workflow.get(True))
+    assert triggers["push"]["branches"] == ["main"]
+    assert workflow["permissions"]["contents"] == "write"
+    steps = workflow["jobs"]["release"]["steps"]
+    runs = [s["run"] for s in steps if "run" in s]
+    version = next(r for r in runs if "pyproject.toml" in r)
+    assert "['project']['version']" in version and 'tag=v$version' in version
+    build = next(s for s in steps if s.get("run", "").strip() == "make artifacts")
+    assert build["env"]["TORCH_INDEX"] == CPU_INDEX and makefile_recipe("artifacts")
+    order = [r.split()[0:3] for r in runs if r.startswith("gh release")]
+    assert order == [["gh", "release", "create"], ["gh", "release", "upload"]]
+    bundle = re.search(r"^ARTIFACTS \?= (\S+)", (REPO / "Makefile").read_text(), re.M).group(1)
+    assert runs[-1].strip().endswith(f"{bundle}/bundle/*")
+
 def test_the_site_url_is_where_readers_look():
     for name in ("README.md", "index.md", "index_zh.md"):
         assert SITE_URL in (REPO / name).read_text(encoding="utf-8"), name

@@ -722,3 +722,20 @@ def test_decoded_steps_counts_tokens_after_the_prompt():
     mask = torch.tensor([0, 0, 1, 0, 1])       # ids[t + 1] sampled
     traj = arl.Trajectory(ids, mask, torch.zeros(5), 0.0)
     assert arl.decoded_steps(traj) == 3
+
+
+def test_a_rollout_process_that_fails_on_its_own_raises_rollout_failed(tmp_path, monkeypatch):
+    """A rollout process that exits with a code of its own (neither finished nor killed by us)
+    raises RolloutFailed, a RuntimeError that carries the exit code."""
+    import multiprocessing
+
+    def failing(folder, spec):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        proc = multiprocessing.get_context('fork').Process(target=os._exit, args=(7,))
+        proc.start()
+        return proc
+    monkeypatch.setattr(arl.wal_rollout, 'launch_rollout', failing)
+    with pytest.raises(arl.RolloutFailed, match='exit code 7') as failure:
+        arl.run_with_preemptions(tmp_path / 'job', spec(step_sleep_s=0.0), 0, seed=0,
+                                 mode='resume')
+    assert failure.value.exitcode == 7 and isinstance(failure.value, RuntimeError)

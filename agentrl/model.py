@@ -227,9 +227,19 @@ class KVCache:
         self.lengths = None                       # LongTensor [B]: per-row lengths
 
     def keep(self, rows):
-        """Drop finished sequences: keep only `rows` (LongTensor [B']) of the batch."""
-        self.k = [k[rows] for k in self.k]
-        self.v = [v[rows] for v in self.v]
+        """Drop finished sequences: keep only `rows` (LongTensor [B']) of the batch.
+
+        The kept rows move to the front of the same tensors, and only their filled
+        slots are copied (what a copy of every slot would cost dominates decoding:
+        chapter 7 measures it); the slots past them stay zero, as nothing writes there.
+        """
+        filled = self.length          # the slots ever written: lockstep steps, and
+        if self.lengths is not None:  # per-row steps, which may start below length
+            filled = max(filled, int(self.lengths.max()))
+        for tensors in (self.k, self.v):
+            for i, t in enumerate(tensors):
+                t[:len(rows), :, :filled] = t[rows, :, :filled]  # gathered, then copied
+                tensors[i] = t[:len(rows)]                # a view: no new memory
         if self.lengths is not None:
             self.lengths = self.lengths[rows]
 

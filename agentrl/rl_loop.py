@@ -16,6 +16,7 @@ import json
 import pickle
 import re
 import multiprocessing
+import sys
 import traceback
 from multiprocessing.connection import wait
 import urllib.request
@@ -611,17 +612,17 @@ def parallel_map(fn, items, workers=None):
     that computes it (train_rl seeds its own generators), so the list equals the
     plain loop's bit for bit, and the runs land in the cache as the loop would write
     them. What fn changes besides files (a dict, a counter) stays in the worker.
-    workers: default usable_cores(). With one worker or one item, where the OS cannot
-    fork (Windows), or once CUDA is initialised (a forked child cannot use it), the
-    plain loop runs here. An exception in fn raises RuntimeError with its traceback.
+    workers: default usable_cores(). With one worker or one item, off Linux (Windows
+    cannot fork; macOS forks unsafely), or once CUDA is initialised (a forked child
+    cannot use it), the plain loop runs here. An exception in fn raises RuntimeError
+    with its traceback.
     """
     items = list(items)
     workers = usable_cores() if workers is None else workers
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ValueError(f'workers must be an int >= 1, got {workers!r}')
+    arl.check_int('workers', workers, 1)
     workers = min(workers, len(items))
-    if (workers <= 1 or 'fork' not in multiprocessing.get_all_start_methods()
-            or torch.cuda.is_initialized()):
+    # fork is safe on Linux; macOS lists it, but system libraries may crash in the child
+    if workers <= 1 or sys.platform != 'linux' or torch.cuda.is_initialized():
         return [fn(item) for item in items]
     context = multiprocessing.get_context('fork')
     results, todo, busy = [None] * len(items), iter(range(len(items))), {}

@@ -22,13 +22,18 @@ import weakref
 class TeacherStore:
     """Teachers on disk as safetensors files, one folder each: <root>/<name>/
     trunk.safetensors (every tensor but the prediction head, with the model's
-    config) and head.safetensors ('weight' [V, d]).
+    config) and head.safetensors ('weight' [V, d]). Saved with fmt='mxfp4', every
+    linear weight, the head's too, is kept as chapter 16's MXFP4 instead: '<key>'
+    becomes '<key>.mx_codes' (packed E2M1, uint8 [out, in/2]) and '<key>.mx_scales'
+    (E8M0, uint8 [out, in/32]), 4.25 bits a weight, decoded to float32 on reading.
 
     Reads go through safe_open, which memory-maps the file, so a read touches only
     the tensors (for the head: the rows) asked for; bytes_read counts them (under a
     lock: a prefetch thread may read while the caller computes).
     """
     TRUNK, HEAD = 'trunk.safetensors', 'head.safetensors'
+    CODES, SCALES = '.mx_codes', '.mx_scales'
+    FORMATS = (None, 'mxfp4')
 
     def __init__(self, root):
         self.root = Path(root)
@@ -55,29 +60,73 @@ class TeacherStore:
         this list is its teacher index."""
         return sorted(p.parent.name for p in self.root.glob(f'*/{self.HEAD}'))
 
-    def save(self, name, model, head_dtype=None):
-        """Store a TinyAgent: its trunk, and its head separately (in head_dtype)."""
+    def save(self, name, model, head_dtype=None, fmt=None):
+        """Store a TinyAgent: its trunk, and its head separately (in head_dtype), each
+        linear weight in MXFP4 if fmt='mxfp4' (head_dtype must then be None)."""
         if not isinstance(model, arl.TinyAgent):
             raise TypeError(f'model must be a TinyAgent, got {type(model).__name__}')
+        self._check_format(fmt, head_dtype)
         attn = model.blocks.layers[0].self_attn
         config = dict(vocab_size=model.vocab_size, d_model=model.tok_emb.embedding_dim,
                       n_layers=len(model.blocks.layers), n_heads=attn.num_heads,
                       max_len=model.max_len)
-        trunk = {k: v.detach().contiguous() for k, v in model.state_dict().items()
-                 if k != 'head.weight'}
+        linear = {f'{n}.weight' for n, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear)}
+        trunk = {}
+        for key, value in model.state_dict().items():
+            if key == 'head.weight':
+                continue
+            if fmt and key in linear:
+                trunk.update(self._encode(key, value))
+            else:
+                trunk[key] = value.detach().contiguous()
         path = self._path(name, self.TRUNK, must_exist=False)
         path.parent.mkdir(exist_ok=True)
         save_file(trunk, path, metadata={'config': json.dumps(config)})
-        self.save_head(name, model.head.weight, head_dtype)
+        self.save_head(name, model.head.weight, head_dtype, fmt)
 
-    def save_head(self, name, weight, dtype=None):
-        """Store a prediction head's weight [V, d] (in dtype; default its own)."""
+    def _check_format(self, fmt, dtype):
+        if fmt not in self.FORMATS:
+            raise ValueError(f'fmt must be one of {self.FORMATS}, got {fmt!r}')
+        if fmt and dtype is not None:
+            raise ValueError(f'a weight stored as {fmt} has no dtype, got {dtype}')
+
+    @classmethod
+    def _encode(cls, key, weight):
+        """A linear weight [out, in] -> its MXFP4 tensors {key+CODES, key+SCALES}."""
+        q = arl.quantize_weight(weight, 'mxfp4')
+        return {key + cls.CODES: q.codes.contiguous(),
+                key + cls.SCALES: q.scales.contiguous()}
+
+    @classmethod
+    def decode(cls, tensors):
+        """Tensors as stored -> float32 weights: each pair '<key>.mx_codes',
+        '<key>.mx_scales' becomes '<key>' (chapter 16's MXTensor.dequantize); the
+        other tensors pass unchanged."""
+        out = {}
+        for key, value in tensors.items():
+            if key.endswith(cls.SCALES):
+                continue
+            if key.endswith(cls.CODES):
+                key = key[:-len(cls.CODES)]
+                codes, scales = value, tensors[key + cls.SCALES]
+                n = 2 * codes.shape[1]                      # two codes a byte
+                value = arl.MXTensor('fp4_e2m1', n // scales.shape[1],
+                                     (codes.shape[0], n), codes, scales).dequantize()
+            out[key] = value
+        return out
+
+    def save_head(self, name, weight, dtype=None, fmt=None):
+        """Store a prediction head's weight [V, d] (in dtype, default its own; or in
+        MXFP4 with fmt='mxfp4')."""
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError('weight must be a tensor [V, d], got '
                              f'{getattr(weight, "shape", type(weight).__name__)}')
+        self._check_format(fmt, dtype)
         path = self._path(name, self.HEAD, must_exist=False)
         path.parent.mkdir(exist_ok=True)
-        save_file({'weight': weight.detach().to(dtype or weight.dtype).contiguous()},
+        save_file(self._encode('weight', weight) if fmt else
+                  {'weight': weight.detach().to(dtype or weight.dtype).contiguous()},
                   path)
 
     def _head_header(self, name):
@@ -85,34 +134,42 @@ class TeacherStore:
         # little endian), then the header: dtype, shape and byte offsets per tensor
         with open(self._path(name, self.HEAD), 'rb') as f:
             size = int.from_bytes(f.read(8), 'little')
-            return json.loads(f.read(size))['weight']
+            header = json.loads(f.read(size))
+        header.pop('__metadata__', None)
+        return header
 
     def head_shape(self, name):
         """(V, d) of a stored head, from the file's header alone."""
-        return tuple(self._head_header(name)['shape'])
+        header = self._head_header(name)
+        if 'weight' in header:
+            return tuple(header['weight']['shape'])
+        V, half = header['weight' + self.CODES]['shape']      # two codes a byte
+        return V, 2 * half
 
     def head_nbytes(self, name):
-        """Bytes of a stored head's weight on disk, from the header."""
-        start, stop = self._head_header(name)['data_offsets']
-        return stop - start
+        """Bytes of a stored head's weight on disk (codes and scales for MXFP4), from
+        the header."""
+        return sum(stop - start for start, stop in
+                   (t['data_offsets'] for t in self._head_header(name).values()))
 
     def load_head(self, name, rows=None, dtype=None):
         """A head's weight [V, d], or rows (start, stop) of it -> [stop - start, d];
-        only those rows of the memory-mapped file are read. dtype converts after
-        reading (bytes_read counts the stored bytes)."""
+        only those rows of the memory-mapped file are read (an MXFP4 head's rows of
+        codes and scales, decoded to float32). dtype converts after reading
+        (bytes_read counts the stored bytes)."""
         with safe_open(self._path(name, self.HEAD), 'pt') as f:
-            weight = f.get_slice('weight')
-            V = weight.get_shape()[0]
+            keys = sorted(f.keys())
+            V = f.get_slice(keys[0]).get_shape()[0]
             start, stop = (0, V) if rows is None else rows
             if not 0 <= start <= stop <= V:
                 raise ValueError(f'rows must satisfy 0 <= start <= stop <= {V}, got '
                                  f'{rows}')
-            stored = weight[start:stop]
-            # copy now, so the bytes are read here (in the loading thread) and not
+            # copies now, so the bytes are read here (in the loading thread) and not
             # later by whoever first touches a page of the memory map
-            head = stored.to(dtype or stored.dtype, copy=True)
-        self._count([stored])
-        return head
+            stored = {k: f.get_slice(k)[start:stop].clone() for k in keys}
+        self._count(stored.values())
+        head = self.decode(stored)['weight']
+        return head.to(dtype or head.dtype, copy=True)
 
     def load_trunk(self, name):
         """The teacher without its head: a TinyAgent whose head is nn.Identity, so
@@ -127,8 +184,10 @@ class TeacherStore:
 
     @staticmethod
     def trunk_model(path, config, state):
-        """A TinyAgent(**config) holding the trunk tensors `state` (read from
-        `path`), its head replaced by nn.Identity (eval mode)."""
+        """A TinyAgent(**config) holding the trunk tensors `state` as stored (read
+        from `path`; MXFP4 weights decoded), its head replaced by nn.Identity (eval
+        mode)."""
+        state = TeacherStore.decode(state)
         model = arl.TinyAgent(**config)
         # assign: the stored tensors become the parameters, in their own dtype
         result = model.load_state_dict(state, strict=False, assign=True)
@@ -166,7 +225,8 @@ def load_head_sharded(store, name, dtype=None):
 
 # safetensors' dtype names -> torch dtypes (those a TinyAgent can hold)
 SAFETENSORS_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16,
-                      'BF16': torch.bfloat16, 'I64': torch.int64}
+                      'BF16': torch.bfloat16, 'I64': torch.int64,
+                      'U8': torch.uint8}          # MXFP4 codes and scales
 
 
 def deal_by_size(sizes, world):

@@ -32,9 +32,42 @@ def test_readme_table_is_rewritten_from_the_record(tmp_path):
                           {"rl_base-x.safetensors"}, 0.0)
     assert execute.refresh_readme(tmp_path)
     text = (tmp_path / "README.md").read_text()
-    assert "old table" not in text and "| 05_sft | 120.0 | – | rl_base |" in text
+    assert "old table" not in text and "| 05_sft | 120.0 | – | – | rl_base |" in text
     assert text.startswith("# Book\n\nBefore.") and text.endswith("\n\nAfter.\n")
     assert not execute.refresh_readme(tmp_path)                     # nothing left to change
+
+
+def test_bundle_timing_loads_the_bundle_into_an_empty_cache(tmp_path, monkeypatch):
+    """--timing bundle: an empty cache of the chapter's own, the bundle loaded (from a
+    file:// URL) before the notebook runs, timed with it; what the notebook then builds
+    is reported as built, and the usual cache is left alone."""
+    import nbformat
+    import agentrl as arl
+
+    usual, source, bundle = (tmp_path / name for name in ("usual", "source", "bundle"))
+    for folder in (usual, source):
+        folder.mkdir()
+    (source / "rl_run-abc.json").write_text("{}")
+    monkeypatch.setenv("AGENTRL_CACHE", str(source))
+    arl.export_artifacts(bundle)
+    monkeypatch.setenv("AGENTRL_CACHE", str(usual))
+    chapter = tmp_path / "chapters" / "99_demo"
+    chapter.mkdir(parents=True)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import os\nfrom pathlib import Path\ncache = Path(os.environ['AGENTRL_CACHE'])\n"
+        "assert sorted(p.name for p in cache.iterdir()) == ['rl_run-abc.json']\n"
+        "(cache / 'eval-new.pkl').write_bytes(b'x')")])
+    nbformat.write(nb, chapter / "en.ipynb")
+    seconds, built, extra = execute.run_timed(chapter / "en.ipynb", tmp_path, "bundle",
+                                              write=False, bundle=bundle.as_uri())
+    assert built == {"eval-new.pkl"} and extra["bundle_files"] == 1
+    assert 0 <= extra["bundle_load_seconds"] <= seconds
+    assert list(usual.iterdir()) == []
+    with pytest.raises(execute.ToolError, match="needs --bundle"):
+        execute.run_timed(chapter / "en.ipynb", tmp_path, "bundle", write=False)
+    with pytest.raises(execute.ToolError, match="loading the bundle"):
+        execute.run_timed(chapter / "en.ipynb", tmp_path, "bundle", write=False,
+                          bundle=(tmp_path / "missing").as_uri())
 
 
 def test_committed_readme_shows_the_committed_record():

@@ -126,6 +126,56 @@ def test_cache_keep_rows(model):
     assert (torch.cat([first[rows]] + rest, 1) - full[rows]).abs().max() <= 1e-5
 
 
+class _CopyEverySlot(arl.KVCache):
+    """The straightforward keep: every slot of the kept rows gathered into new tensors."""
+    def keep(self, rows):
+        self.k = [k[rows] for k in self.k]
+        self.v = [v[rows] for v in self.v]
+        if self.lengths is not None:
+            self.lengths = self.lengths[rows]
+
+
+def _twin_caches(model, B, max_len):
+    """The book's cache and the copy-every-slot one, both empty."""
+    attn = model.blocks.layers[0].self_attn
+    args = (len(model.blocks.layers), B, attn.num_heads, attn.head_dim, max_len)
+    return arl.KVCache(*args), _CopyEverySlot(*args)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), ragged=st.booleans(),
+       drops=st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1,
+                      max_size=4))
+def test_cache_keep_is_the_copy_of_every_slot(model, seed, ragged, drops):
+    """keep in place, filled slots only: the same logits, bit for bit, as gathering every
+    slot into new tensors, over several keeps in a row; slots past the filled ones stay 0."""
+    B, T = 6, 30
+    ids = _ids(B=B, T=T, seed=seed)
+    fast, slow = _twin_caches(model, B, 40)
+    rows_left = torch.arange(B)
+    with torch.no_grad():
+        for cache in (fast, slow):
+            model(ids[:, :10], cache=cache)
+            if ragged:          # rows at their own positions (chapter 18)
+                cache.lengths = 4 + torch.arange(B) % 5
+        for step, drop in enumerate(drops):
+            keep = torch.tensor([r for r, d in enumerate(drop[:len(rows_left)]) if not d]
+                                or [0])
+            rows_left = rows_left[keep]
+            fast.keep(keep)
+            slow.keep(keep)
+            if ragged:
+                x = ids[rows_left, fast.lengths][:, None]
+            else:
+                x = ids[rows_left, 10 + step][:, None]
+            out_fast, out_slow = model(x, cache=fast), model(x, cache=slow)
+            assert torch.equal(out_fast, out_slow)
+    filled = max([fast.length] + ([int(fast.lengths.max())] if ragged else []))
+    for a, b in zip(fast.k + fast.v, slow.k + slow.v):
+        assert a.shape == b.shape and torch.equal(a, b)
+        assert not a[:, :, filled:].any()
+
+
 # ---------------------------------------------------------------- log-probs
 
 def test_selected_log_probs_stable():

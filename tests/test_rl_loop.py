@@ -599,8 +599,11 @@ def test_parallel_map_keeps_the_order_and_reports_what_went_wrong():
         arl.parallel_map(lambda x: os._exit(3) if x == 1 else x, [0, 1, 2], workers=2)
     with pytest.raises(RuntimeError, match='pickle'):                # a result that cannot travel
         arl.parallel_map(lambda x: (lambda: x), [0, 1], workers=2)
-    for workers in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match='workers'):
+    for workers in (0, -1):
+        with pytest.raises(ValueError, match='workers must be >= 1'):
+            arl.parallel_map(abs, [1, 2], workers=workers)
+    for workers in (1.5, True, '2'):
+        with pytest.raises(TypeError, match='workers must be an int'):
             arl.parallel_map(abs, [1, 2], workers=workers)
 
 

@@ -136,6 +136,62 @@ def test_store_rejects_bad_input(tmp_path):
     assert store.names() == ['t']                          # the failed saves left nothing behind
 
 
+def test_store_mxfp4_decodes_to_chapter_16s_rounded_weights(tmp_path):
+    """fmt='mxfp4': every linear weight kept as codes and scales (4.25 bits), read back as
+    chapter 18's round_weights (chapter 16's quantize_model) rounds them, bit for bit; the
+    head's rows read only their codes and scales."""
+    model, d = _agent(0, d_model=32), 32
+    store = arl.TeacherStore(tmp_path)
+    store.save('fp32', model)
+    store.save('mx', model, fmt='mxfp4')
+    rounded = arl.round_weights(model, 'mxfp4').state_dict()
+    trunk = store.load_trunk('mx').state_dict()
+    assert set(trunk) == set(rounded) - {'head.weight'}
+    assert all(torch.equal(trunk[k], rounded[k]) for k in trunk)
+    assert torch.equal(store.load_head('mx'), rounded['head.weight'])
+    assert store.head_shape('mx') == store.head_shape('fp32') == (V, d)
+    assert 8 * store.head_nbytes('mx') == 4.25 * V * d
+    store.bytes_read = 0
+    rows = store.load_head('mx', rows=(2, 7), dtype=torch.bfloat16)
+    assert rows.dtype == torch.bfloat16
+    assert torch.equal(rows, rounded['head.weight'][2:7].bfloat16())
+    assert store.bytes_read == 5 * (d // 2 + d // 32)      # codes and scales of 5 rows
+    with torch.no_grad():
+        ids = _ids(2, 9)
+        assert torch.equal(store.load_trunk('mx')(ids),
+                           arl.round_weights(model, 'mxfp4').hidden(ids))
+    sizes = {n: (tmp_path / n / store.TRUNK).stat().st_size for n in ('fp32', 'mx')}
+    assert sizes['mx'] < sizes['fp32'] / 2
+    with safe_open(tmp_path / 'mx' / store.TRUNK, 'pt') as f:
+        codes = [k for k in f.keys() if k.endswith(store.CODES)]
+    assert len(codes) == 4                    # qkv, proj and the two MLP matrices
+
+
+def test_store_rejects_unknown_formats_and_a_dtype_with_a_format(tmp_path):
+    store = arl.TeacherStore(tmp_path)
+    with pytest.raises(ValueError, match='fmt must be one of'):
+        store.save('t', _agent(0, d_model=32), fmt='nvfp4')
+    with pytest.raises(ValueError, match='has no dtype'):
+        store.save('t', _agent(0, d_model=32), head_dtype=torch.bfloat16, fmt='mxfp4')
+    with pytest.raises(ValueError, match='fmt must be one of'):
+        store.save_head('t', torch.zeros(3, 32), fmt='mxfp8')
+
+
+@pytest.mark.parametrize('part', ['head', 'trunk'])
+def test_sharded_loads_of_an_mxfp4_teacher_equal_the_full_load(tmp_path, part):
+    store = arl.TeacherStore(tmp_path / 'store')
+    store.save('t', _agent(0, d_model=32), fmt='mxfp4')
+    out = tmp_path / 'result'
+    mp.spawn(arl.sharded_load_worker,
+             args=(2, str(tmp_path / 'rendezvous'), str(tmp_path / 'store'), 't', str(out),
+                   part),
+             nprocs=2)
+    results = [torch.load(f'{out}.{rank}') for rank in range(2)]
+    assert all(r['equal'] is True for r in results)
+    if part == 'head':                    # 11 rows: 6 and 5, codes and scales only
+        assert [r['bytes_read'] for r in results] == [6 * 17, 5 * 17]
+
+
 # ---------------------------------------------------------------- load_head_sharded (2 gloo ranks)
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])

@@ -4,6 +4,7 @@
     python tools/execute.py chapters/14_*    # only some (folders, notebooks or globs)
     python tools/execute.py --timing warm --no-write   # time each chapter, keep the notebooks
     python tools/execute.py --timing cold --no-write   # each from an empty artefact cache
+    python tools/execute.py --timing bundle --bundle DIR_OR_URL --no-write  # empty cache + bundle
     python tools/execute.py --show-timings   # print the timing record, refresh README's table
 
 Each notebook runs in a fresh `python3` kernel whose working directory is the chapter folder,
@@ -11,10 +12,13 @@ with a one-hour limit per cell (CELL_TIMEOUT). The first failing cell stops ever
 
 `--timing` records each chapter's wall time in `agentrl/timings.json` (committed; package data
 that chapter 1's `chapter_cost` reads): *warm* runs with the
-usual artefact cache, *cold* with an empty one made for that chapter alone (what a Colab reader
-pays: the RL base, the runs and the teachers it needs are built). Each entry keeps the date, the
-machine, the load average before the run (a timing is only worth recording on an idle machine)
-and the artefacts the run built.
+usual artefact cache, *cold* with an empty one made for that chapter alone (what a first run pays:
+the RL base, the runs and the teachers it needs are built), *bundle* with an empty one into which
+the book's artefact bundle (`make artifacts`; a folder or a URL such as file:///...) is loaded first,
+as a Colab setup cell does: the load is timed with the chapter, and a bundle that lacks something
+the chapter needs shows as artefacts built. Each entry keeps the date, the machine, the load
+average before the run (a timing is only worth recording on an idle machine) and the artefacts
+the run built.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import os
 import platform
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -159,30 +164,35 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+MODES = ("cold", "warm", "bundle")
+
+
 def record_timing(path: Path, chapter: str, mode: str, seconds: float, built: set[str],
-                  load: float) -> dict:
-    """Store one chapter's `mode` ('cold' or 'warm') timing in the JSON record at `path`."""
-    if mode not in ("cold", "warm"):
-        raise ValueError(f"mode must be 'cold' or 'warm', got {mode!r}")
+                  load: float, **extra) -> dict:
+    """Store one chapter's `mode` (one of MODES) timing in the JSON record at `path`;
+    `extra` fields (e.g. a bundle's load time) are stored with it."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     data = json.loads(path.read_text()) if path.exists() else {}
     path.parent.mkdir(parents=True, exist_ok=True)
     data.setdefault(chapter, {})[mode] = dict(
         seconds=round(seconds, 1), date=datetime.date.today().isoformat(),
         cpu=cpu_name(), cores=os.cpu_count(), load_before=round(load, 2),
-        artefacts_built=len(built), artefact_kinds=sorted({n.split("-")[0] for n in built}))
+        artefacts_built=len(built), artefact_kinds=sorted({n.split("-")[0] for n in built}),
+        **extra)
     path.write_text(json.dumps(dict(sorted(data.items())), indent=1, ensure_ascii=False) + "\n")
     return data
 
 
 def timing_table(data: dict) -> str:
     """The timing record as a markdown table (README), chapters in file order."""
-    rows = ["| chapter | cold (s) | warm (s) | artefacts a cold run builds |",
-            "|---|---:|---:|---|"]
+    rows = ["| chapter | cold (s) | warm (s) | bundle (s) | artefacts a cold run builds |",
+            "|---|---:|---:|---:|---|"]
     for chapter, entry in data.items():
-        cold, warm = entry.get("cold", {}), entry.get("warm", {})
+        cold, warm, bundle = (entry.get(mode, {}) for mode in MODES)
         kinds = ", ".join(cold.get("artefact_kinds", [])) or "none"
         rows.append(f"| {chapter} | {cold.get('seconds', '–')} | {warm.get('seconds', '–')} "
-                    f"| {kinds if cold else '–'} |")
+                    f"| {bundle.get('seconds', '–')} | {kinds if cold else '–'} |")
     return "\n".join(rows)
 
 
@@ -201,20 +211,40 @@ def refresh_readme(root: Path) -> bool:
     return new != text
 
 
+def load_bundle(bundle: str) -> int:
+    """Load an artefact bundle into the current AGENTRL_CACHE with arl.load_artifacts, in a
+    fresh interpreter of this Python (as a reader's kernel would) -> the files it added."""
+    code = "import sys, agentrl; print(agentrl.load_artifacts(sys.argv[1]))"
+    out = subprocess.run([sys.executable, "-c", code, bundle], capture_output=True, text=True)
+    if out.returncode:
+        raise ToolError(f"loading the bundle {bundle} failed:\n{out.stderr.strip()}")
+    return int(out.stdout.split()[-1])
+
+
 def run_timed(path: Path, root: Path, mode: str | None, write: bool,
-              record: dict | None = None) -> tuple[float, set[str]]:
-    """Execute one notebook; with `mode` 'cold', against an empty cache of its own.
-    Returns (seconds, names of the artefacts the run added to the cache)."""
+              record: dict | None = None, bundle: str | None = None
+              ) -> tuple[float, set[str], dict]:
+    """Execute one notebook; with `mode` 'cold' against an empty cache of its own, with
+    'bundle' against an empty cache into which `bundle` is loaded first (timed with it).
+    Returns (seconds, names of the artefacts the run added to the cache, extra fields for
+    the record: the bundle's load time and files)."""
+    if mode == "bundle" and not bundle:
+        raise ToolError("--timing bundle needs --bundle (a folder or a URL)")
     saved = os.environ.get("AGENTRL_CACHE")
-    tmp = tempfile.mkdtemp(prefix="agentrl-cold-") if mode == "cold" else None
+    tmp = tempfile.mkdtemp(prefix=f"agentrl-{mode}-") if mode in ("cold", "bundle") else None
     if tmp:
         os.environ["AGENTRL_CACHE"] = tmp
     cache = artefact_cache()
-    before = cache_listing(cache)
     start = time.perf_counter()
     try:
+        extra = {}
+        if mode == "bundle":
+            files = load_bundle(bundle)
+            extra = dict(bundle_load_seconds=round(time.perf_counter() - start, 1),
+                         bundle_files=files)
+        before = cache_listing(cache)
         execute_notebook(path, root, write=write, record=record)
-        return time.perf_counter() - start, cache_listing(cache) - before
+        return time.perf_counter() - start, cache_listing(cache) - before, extra
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -225,7 +255,7 @@ def run_timed(path: Path, root: Path, mode: str | None, write: bool,
 
 
 def main(root: Path = ROOT, chapters: list[str] | None = None, timing: str | None = None,
-         write: bool = True) -> int:
+         write: bool = True, bundle: str | None = None) -> int:
     """Execute the chosen chapters, print a time table, then sync and extract; return exit code."""
     from tqdm.auto import tqdm
 
@@ -250,14 +280,14 @@ def main(root: Path = ROOT, chapters: list[str] | None = None, timing: str | Non
         bar.set_postfix_str(folder.name)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         try:
-            seconds, built = run_timed(path, root, timing, write, record)
+            seconds, built, extra = run_timed(path, root, timing, write, record, bundle)
         except ToolError as e:
             bar.close()
             print(f"\nerror: {e}", file=sys.stderr)
             return 1
         times.append((folder.name, seconds))
         if timing:
-            record_timing(root / TIMINGS, folder.name, timing, seconds, built, load)
+            record_timing(root / TIMINGS, folder.name, timing, seconds, built, load, **extra)
     bar.close()
     width = max([len(name) for name, _ in times] + [len("total")])
     print(f"\n{'chapter':<{width}}  seconds")
@@ -275,8 +305,11 @@ def main(root: Path = ROOT, chapters: list[str] | None = None, timing: str | Non
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("chapters", nargs="*", help="chapter folders or globs (default: all)")
-    parser.add_argument("--timing", choices=["cold", "warm"],
-                        help=f"record each chapter's wall time in {TIMINGS} (cold: empty cache)")
+    parser.add_argument("--timing", choices=MODES,
+                        help=f"record each chapter's wall time in {TIMINGS} (cold: empty cache; "
+                        "bundle: empty cache, --bundle loaded first)")
+    parser.add_argument("--bundle", help="the artefact bundle for --timing bundle: a folder or "
+                        "a URL (make artifacts writes _build/artifacts/bundle)")
     parser.add_argument("--no-write", action="store_true",
                         help="leave the notebooks as they are (for timing runs)")
     parser.add_argument("--show-timings", action="store_true",
@@ -288,4 +321,4 @@ if __name__ == "__main__":
         print(timing_table(json.loads(record.read_text())) if record.exists() else "no record")
         refresh_readme(args.root.resolve())
         sys.exit(0)
-    sys.exit(main(args.root, args.chapters, args.timing, not args.no_write))
+    sys.exit(main(args.root, args.chapters, args.timing, not args.no_write, args.bundle))

@@ -70,6 +70,19 @@ def test_bundle_timing_loads_the_bundle_into_an_empty_cache(tmp_path, monkeypatc
                           bundle=(tmp_path / "missing").as_uri())
 
 
+def test_committed_record_has_every_chapter_within_budget_with_the_bundle():
+    """Chapter 1's claim: with the bundle loaded into an empty cache, every chapter runs in
+    at most 3 minutes and builds nothing (its cell checks the chapters recorded before it)."""
+    root = execute.ROOT
+    record = json.loads((root / execute.TIMINGS).read_text())
+    chapters = sorted(p.name for p in (root / "chapters").iterdir() if (p / "en.ipynb").exists())
+    assert sorted(record) == chapters
+    for chapter, times in record.items():
+        assert times["warm"]["seconds"] <= 120, chapter
+        assert times["bundle"]["seconds"] <= 180 and times["bundle"]["artefacts_built"] == 0, \
+            chapter
+
+
 def test_committed_readme_shows_the_committed_record():
     root = execute.ROOT
     if not (root / execute.TIMINGS).exists():

@@ -74,7 +74,7 @@ def test_timing_record_ships_with_the_package_and_names_every_chapter():
     assert sorted(record) == chapters
     for times in record.values():
         for kind, entry in times.items():
-            assert kind in ("cold", "warm") and entry["seconds"] > 0 and entry["cores"] >= 1
+            assert kind in ("cold", "warm", "bundle") and entry["seconds"] > 0 and entry["cores"] >= 1
 
 
 def test_chapter_cost_says_cold_and_warm_and_fits_the_page(monkeypatch):

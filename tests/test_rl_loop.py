@@ -628,3 +628,20 @@ def test_the_parallel_runs_benchmark_records_identical_runs(tmp_path):
     assert record['identical'] and record['runs'] == 2 and record['steps'] == 1
     assert len(set(record['weights'])) == 2                # two seeds, two different runs
     assert {'date', 'cpu', 'cores', 'load_before', 'sequential_s', 'parallel_s'} <= set(record)
+
+
+def test_the_batching_bound_benchmark_records_both_halves(tmp_path):
+    """tools/batching_bound.py (chapter 7 prints its record): a tiny smoke run of it; the
+    ratios are the times they are computed from."""
+    import subprocess
+    import sys
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / 'batching.json'
+    subprocess.run([sys.executable, str(repo / 'tools' / 'batching_bound.py'), '--ks', '2',
+                    '--repeats', '1', '--out', str(out)], check=True, capture_output=True)
+    record = json.loads(out.read_text())
+    assert {'date', 'cpu', 'load_before', 'threads', 'repeats'} <= set(record)
+    (b,) = record['bounds']
+    assert b['k'] == 2 and min(v for k, v in b.items() if k.endswith('_s')) > 0
+    assert abs(b['sample_bound'] - 2 * b['sample_one_s'] / b['sample_batched_s']) < 0.02
+    assert abs(b['update_bound'] - b['update_separate_s'] / b['update_batched_s']) < 0.02

@@ -139,15 +139,18 @@ class Rollouts:
         self._start(step, tasks, seed, lambda: self._finish(folder, spec))
 
     @staticmethod
-    def _finish(folder, spec):
+    def _finish(folder, spec, attempts=3):
         """Decode the job in folder to the end from its log, with no preemption ->
-        (trajectories, no kills)."""
-        proc = arl.launch_rollout(folder / 'job', spec)
-        proc.join()
-        if proc.exitcode != 0:
-            raise RuntimeError(f'finishing {folder} from its log failed (exit code '
-                               f'{proc.exitcode})')
-        return arl.read_trajectories(folder / 'job'), []
+        (trajectories, no kills). A process that dies unexplained (seen: exit code
+        255, when the fork server of a trainer started after a kill loses its report)
+        is one more crash: the next attempt continues from the log."""
+        for _ in range(attempts):
+            proc = arl.launch_rollout(folder / 'job', spec)
+            proc.join()
+            if proc.exitcode == 0:
+                return arl.read_trajectories(folder / 'job'), []
+        raise RuntimeError(f'finishing {folder} from its log failed {attempts} times '
+                           f'(exit code {proc.exitcode})')
 
     def _start(self, step, tasks, seed, run):
         """Run the job run() -> (trajs, kills) in a thread of its own."""

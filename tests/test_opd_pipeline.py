@@ -351,6 +351,43 @@ def test_a_rollout_process_that_dies_unexplained_is_finished_from_its_log(setup,
         assert torch.equal(a, b)
 
 
+class _DeadProcess:
+    """What launch_rollout returns when the fork server loses the child's report."""
+    exitcode = 255
+
+    def join(self):
+        pass
+
+
+def test_finishing_from_the_log_tries_again_after_an_unexplained_death(setup, tmp_path,
+                                                                       monkeypatch):
+    """A job finished from its log whose process also dies unexplained (exit code 255, as
+    after a trainer kill) is launched again from the log: the weights are the clean run's;
+    a job that never gets a live process fails, saying so."""
+    clean, *_ = _pipeline(setup, tmp_path / 'clean', steps=2)
+    real_run, real_launch = arl.run_with_preemptions, arl.launch_rollout
+    failed, launches = [], []
+
+    def fail_first(workdir, spec, *args, **kwargs):
+        if not failed:
+            failed.append(workdir)
+            raise arl.RolloutFailed(workdir, 255)
+        return real_run(workdir, spec, *args, **kwargs)
+
+    def dead_first(folder, spec):
+        launches.append(folder)
+        return _DeadProcess() if len(launches) == 1 else real_launch(folder, spec)
+    monkeypatch.setattr(arl, 'run_with_preemptions', fail_first)
+    monkeypatch.setattr(arl, 'launch_rollout', dead_first)
+    survived, *_ = _pipeline(setup, tmp_path / 'failed', steps=2)
+    assert len(failed) == 1 and len(launches) == 2
+    for a, b in zip(clean.state_dict().values(), survived.state_dict().values()):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(arl, 'launch_rollout', lambda folder, spec: _DeadProcess())
+    with pytest.raises(RuntimeError, match='failed 3 times'):
+        arl.Rollouts._finish(tmp_path / 'failed' / 'nowhere', None)
+
+
 def test_kill_process_group_spares_the_resource_tracker_which_unlinks_the_semaphores():
     """A process group holding forkserver semaphores (a Queue, as the loader's) killed by
     kill_process_group: every process dies but the resource tracker, which unlinks them."""

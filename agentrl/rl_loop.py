@@ -467,15 +467,16 @@ RUN_MODULES = ('introduction', 'tasks', 'model', 'sampling', 'sft', 'policy_grad
 
 
 def book_modules(upto):
-    """The package's modules in book order, from chapter 1 up to and including the
-    module `upto` (e.g. 'kl') -> tuple of names: the code that a run owned by that
-    chapter can execute, since no module uses a name a later chapter saves
+    """The package's modules in book order, from chapter 1 up to and including every
+    module of the chapter that saves `upto` (a module, e.g. 'kl', or a chapter's
+    slug, e.g. 'long_trajectories') -> tuple of names: the code that a run owned by
+    that chapter can execute, since no module uses a name a later chapter saves
     (tests/test_book_order.py)."""
-    order = arl._MODULES
-    if upto not in order:
-        raise ValueError(f'upto must be one of the package modules {order}, '
-                         f'got {upto!r}')
-    return order[:order.index(upto) + 1]
+    for i, (chapter, modules) in enumerate(arl._BOOK):
+        if upto == chapter or upto in modules:
+            return tuple(m for _, own in arl._BOOK[:i + 1] for m in own)
+    raise ValueError(f'upto must be one of the package modules {arl._MODULES} or a '
+                     f'chapter slug, got {upto!r}')
 
 
 def code_hash(modules=RUN_MODULES):

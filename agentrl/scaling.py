@@ -132,6 +132,19 @@ def checkpointed_log_probs(hidden, weight, ids, chunk_size=1024):
 
 # -------- 5. Loss normalisation under gradient accumulation
 
+@contextlib.contextmanager
+def gloo_group(rank, world_size, init_path):
+    """This process as rank `rank` of a gloo process group of world_size processes
+    (they meet through the file init_path) for the body of a `with`; the group is
+    destroyed when the body ends, on an error too."""
+    dist.init_process_group('gloo', init_method=f'file://{init_path}', rank=rank,
+                            world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def data_parallel_worker(rank, world_size, job_path, init_path):
     """One rank of a data-parallel REINFORCE gradient on CPU (gloo); run it with
     torch.multiprocessing.spawn.
@@ -141,9 +154,7 @@ def data_parallel_worker(rank, world_size, job_path, init_path):
     indices). For normalize in ('local', 'global') rank 0 writes the flattened gradient
     to f'{job_path}.{normalize}'. 'global' divides by the all-reduced token count.
     """
-    dist.init_process_group('gloo', init_method=f'file://{init_path}', rank=rank,
-                            world_size=world_size)
-    try:
+    with gloo_group(rank, world_size, init_path):
         job = torch.load(job_path, weights_only=False)
         model = torch.nn.parallel.DistributedDataParallel(job['model'])
         micro_batches = [torch.tensor(rows) for rows in job['shards'][rank]]
@@ -167,8 +178,6 @@ def data_parallel_worker(rank, world_size, job_path, init_path):
             if rank == 0:
                 grad = torch.cat([p.grad.flatten() for p in model.module.parameters()])
                 torch.save(grad, f'{job_path}.{normalize}')
-    finally:
-        dist.destroy_process_group()
 
 
 # -------- 6. A curriculum by pass rate
@@ -233,6 +242,7 @@ __all__ = [
     'packed_logits',
     'token_budget_batches',
     'checkpointed_log_probs',
+    'gloo_group',
     'data_parallel_worker',
     'filter_by_pass_rate',
     'curriculum_sampler',

@@ -135,6 +135,14 @@ def _sync(fd):
     (os.fdatasync if hasattr(os, 'fdatasync') else os.fsync)(fd)
 
 
+def block_padding(offset, size):
+    """The zero bytes to write at `offset` of a log before a record of `size` bytes:
+    records never straddle blocks, so a record that does not fit in the rest of its
+    block starts the next one -> 0, or the bytes left in the block."""
+    room = WAL_BLOCK_SIZE - offset % WAL_BLOCK_SIZE
+    return room if size > room else 0
+
+
 def sync_dir(path):
     """fsync the directory `path`: a file created, renamed or removed in it keeps that
     change after a power loss only once its directory has been synced as well."""
@@ -180,13 +188,9 @@ class WalWriter:
 
     def append(self, rtype, payload):
         record = encode_record(rtype, payload)
-        room = WAL_BLOCK_SIZE - self.offset % WAL_BLOCK_SIZE
-        if len(record) > room:
-            # records never straddle blocks: zero-pad the rest of this one
-            self.pending += bytes(room)
-            self.offset += room
-        self.pending += record
-        self.offset += len(record)
+        pad = block_padding(self.offset, len(record))
+        self.pending += bytes(pad) + record
+        self.offset += pad + len(record)
         if self.policy == 'token':
             self.commit()
 
@@ -1123,6 +1127,15 @@ def read_trajectories(workdir, *, finished_only=False):
     return trajs
 
 
+def forkserver_context():
+    """A multiprocessing context whose processes start as forks of a server process
+    that imported agentrl once: a start costs a fork, not an import of torch, and a
+    child inherits none of the parent's threads or locks."""
+    ctx = multiprocessing.get_context('forkserver')
+    ctx.set_forkserver_preload(['agentrl'])
+    return ctx
+
+
 def _rollout_child(workdir, spec, parts):
     # a worker process of its own; for a tiny model, threads only add overhead
     torch.set_num_threads(1)
@@ -1143,8 +1156,7 @@ def launch_rollout(workdir, spec=None, *, recover=recover_log, writer=WalWriter)
     if spec is not None and not isinstance(spec, RolloutSpec):
         raise TypeError(f'spec must be a RolloutSpec or None, got '
                         f'{type(spec).__name__}')
-    ctx = multiprocessing.get_context('forkserver')
-    ctx.set_forkserver_preload(['agentrl'])
+    ctx = forkserver_context()
     args = (str(workdir), None if spec is None else asdict(spec),
             dict(recover=recover, writer=writer))
     proc = ctx.Process(target=_rollout_child, args=args)
@@ -1342,6 +1354,7 @@ __all__ = [
     'OUTCOME_CODES',
     'encode_record',
     'DURABILITY_POLICIES',
+    'block_padding',
     'sync_dir',
     'WalWriter',
     'scan_log',
@@ -1372,6 +1385,7 @@ __all__ = [
     'read_runs',
     'run_rollout',
     'read_trajectories',
+    'forkserver_context',
     'launch_rollout',
     'PREEMPT_OUTCOMES',
     'preempt_rollout',

@@ -5,7 +5,11 @@
 
 A code cell whose first line is `#@save` contributes its imports, functions, classes and
 UPPER_CASE constants to the module named after its chapter (`chapters/14_scaling` ->
-`agentrl/scaling.py`); every other statement stays notebook-only. A public name is saved once:
+`agentrl/scaling.py`); `#@save wal` sends them to `agentrl/wal.py` instead, so that a chapter
+that teaches several subjects keeps each in a file of its own. A module belongs to one chapter;
+a chapter's modules take their place in the book where the chapter completes them (the cell
+that saves into them last), so every module uses only modules placed before it. Every other
+statement stays notebook-only. A public name is saved once:
 a later chapter extends an earlier one (a subclass, a part passed as an argument) and never
 rebinds its names, so every `arl.<name>` means one thing in every chapter.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import keyword
 import re
 import sys
 from dataclasses import dataclass, field
@@ -39,7 +44,8 @@ class Piece:
 
 
 def save_flag(source: str) -> str | None:
-    """None if the cell is not saved, else the text after `#@save` (must be '')."""
+    """None if the cell is not saved, else the text after `#@save`: '' (the chapter's own
+    module) or the name of the module the cell saves into."""
     first = source.split("\n", 1)[0].strip()
     m = SAVE_RE.fullmatch(first)
     return None if m is None else m.group(1).strip()
@@ -97,6 +103,13 @@ def cell_pieces(source: str, where: str) -> list[Piece]:
         text = "\n".join(lines[first - 1:last]).rstrip()
         pieces.append(Piece(text, is_import, names, ast.unparse(node) if is_import else ""))
     return pieces
+
+
+def check_module_name(name: str, where: str, what: str) -> None:
+    """A module name must be a Python identifier that is not a keyword or `__init__`."""
+    if not name.isidentifier() or keyword.iskeyword(name) or name == "__init__":
+        raise ToolError(f"{where}: {what} {name!r} is not a module name (a chapter extends "
+                        "the package in a module of its own, never redefines)")
 
 
 def notebook_title(nb) -> str:
@@ -166,17 +179,23 @@ def project_version(root: Path) -> str:
     return "0+unknown"
 
 
-def render_init(modules: list[str], version: str) -> str:
-    """The text of the generated `agentrl/__init__.py`."""
+def render_init(book: list[tuple[str, tuple[str, ...]]], version: str) -> str:
+    """The text of the generated `agentrl/__init__.py`; `book` lists each chapter's slug with
+    its modules, in book order."""
+    modules = [m for _, own in book for m in own]
     doc = ('"""Agentic RL from Scratch: the code saved by the book\'s chapters.\n\n'
-           "One module per chapter; every saved name is re-exported here in book order, so\n"
-           "`import agentrl as arl; arl.<name>` works; no chapter rebinds another's names.\n\n"
+           "One module per subject, each saved by one chapter; every saved name is re-exported\n"
+           "here in book order, so `import agentrl as arl; arl.<name>` works; no chapter\n"
+           "rebinds another's names.\n\n"
            f"This file is {MARK}.\n" + '"""\n')
     imports = "".join(f"from .{m} import *  # noqa: F401,F403\n" for m in modules)
     if modules:  # each module lists its names once, in its own __all__; here they are only gathered
         # import_module, not `from . import m`: a star import may have bound a saved name equal to a module's
         imports = "from importlib import import_module as _module\n" + imports
-        exported = (f"_MODULES = ({', '.join(map(repr, modules))}{',' if len(modules) == 1 else ''})\n"
+        chapters = "".join(f"    ({slug!r}, ({', '.join(map(repr, own))},)),\n" for slug, own in book)
+        exported = ("# each chapter (its folder's slug) and the modules it saves, in book order\n"
+                    f"_BOOK = (\n{chapters})\n"
+                    "_MODULES = tuple(m for _, own in _BOOK for m in own)\n"
                     "__all__ = list(dict.fromkeys(  # one entry per name, in book order\n"
                     "    name for m in _MODULES for name in _module(f'.{m}', __name__).__all__))\n")
     else:
@@ -188,13 +207,14 @@ def generate(root: Path = ROOT) -> dict[Path, str]:
     """Map every file the package should contain to its text. Raises ToolError on a bad cell."""
     root = Path(root).resolve()
     out: dict[Path, str] = {}
-    modules = []
     owners: dict[str, str] = {}  # public name -> notebook that defined it first
     chapters = nbtools.toc_chapters(root)
     for chapter in nbtools.all_chapters(root):
         if chapter not in chapters:
             print(f"note: {rel(chapter / 'en.ipynb', root)} is not in _toc.yml: not extracted",
                   file=sys.stderr)
+    book = []  # (chapter slug, its modules in book order)
+    module_chapter: dict[str, str] = {}  # module -> the notebook that saves into it
     for chapter in chapters:
         path = chapter / "en.ipynb"
         notebook = rel(path, root)
@@ -202,10 +222,11 @@ def generate(root: Path = ROOT) -> dict[Path, str]:
             print(f"note: {notebook} (in _toc.yml) does not exist yet: skipped", file=sys.stderr)
             continue
         slug = nbtools.chapter_slug(chapter)
-        if not slug.isidentifier() or slug == "__init__":
-            raise ToolError(f"{rel(chapter, root)}: slug {slug!r} is not a module name")
+        check_module_name(slug, rel(chapter, root), "slug")
         nb = nbtools.read_nb(path)
-        pieces, section = [], ""
+        pieces: dict[str, list[Piece]] = {}  # module -> its pieces, in cell order
+        last_cell: dict[str, int] = {}       # module -> index of the last cell saving into it
+        section = ""
         for index, cell in enumerate(nb.cells):
             if cell.cell_type == "markdown":
                 section = section_heading(cell) or section
@@ -213,9 +234,13 @@ def generate(root: Path = ROOT) -> dict[Path, str]:
             if flag is None:
                 continue
             where = f"{notebook}: cell {index} (id {nbtools.cell_id(cell)})"
-            if flag:
-                raise ToolError(f"{where}: unknown option `#@save {flag}`: a saved cell starts "
-                                "with `#@save` alone (a later chapter extends, never redefines)")
+            module = flag or slug
+            check_module_name(module, where, "`#@save <module>`")
+            owner = module_chapter.setdefault(module, notebook)
+            if owner != notebook:
+                raise ToolError(f"{where}: module {module!r} belongs to {owner}: a module "
+                                "is saved by one chapter (a later chapter extends, never "
+                                "redefines)")
             for piece in cell_pieces(cell.source, where):
                 for name in piece.names:
                     if name.startswith("_"):
@@ -227,17 +252,19 @@ def generate(root: Path = ROOT) -> dict[Path, str]:
                             "rebinds it")
                     owners.setdefault(name, notebook)
                 piece.section = section
-                pieces.append(piece)
-        if not pieces:
-            continue  # a chapter with no saved cells produces no module
-        text = render_module(notebook, notebook_title(nb), pieces)
-        try:  # a safety net: ast.parse accepts some code that only the compiler rejects
-            compile(text, f"{PACKAGE}/{slug}.py", "exec")
-        except SyntaxError as e:
-            raise ToolError(f"{notebook}: generated {PACKAGE}/{slug}.py does not compile: {e}")
-        out[root / PACKAGE / f"{slug}.py"] = text
-        modules.append(slug)
-    out[root / PACKAGE / "__init__.py"] = render_init(modules, project_version(root))
+                pieces.setdefault(module, []).append(piece)
+            last_cell[module] = index
+        own = sorted(pieces, key=last_cell.get)  # a module's place: where the chapter completes it
+        for module in own:
+            text = render_module(notebook, notebook_title(nb), pieces[module])
+            try:  # a safety net: ast.parse accepts some code that only the compiler rejects
+                compile(text, f"{PACKAGE}/{module}.py", "exec")
+            except SyntaxError as e:
+                raise ToolError(f"{notebook}: generated {PACKAGE}/{module}.py does not compile: {e}")
+            out[root / PACKAGE / f"{module}.py"] = text
+        if own:  # a chapter with no saved cells produces no module
+            book.append((slug, tuple(own)))
+    out[root / PACKAGE / "__init__.py"] = render_init(book, project_version(root))
     return out
 
 

@@ -23,9 +23,17 @@ from .diagnostics import *  # noqa: F401,F403
 from .scaling import *  # noqa: F401,F403
 from .distillation import *  # noqa: F401,F403
 from .low_precision import *  # noqa: F401,F403
+from .teacher_store import *  # noqa: F401,F403
+from .fused_kl import *  # noqa: F401,F403
 from .teacher_scheduling import *  # noqa: F401,F403
+from .wal import *  # noqa: F401,F403
 from .wal_rollout import *  # noqa: F401,F403
-from .long_trajectories import *  # noqa: F401,F403
+from .preemption import *  # noqa: F401,F403
+from .trajectory_store import *  # noqa: F401,F403
+from .heavy_loader import *  # noqa: F401,F403
+from .context_parallel import *  # noqa: F401,F403
+from .wal_scan import *  # noqa: F401,F403
+from .group_commit import *  # noqa: F401,F403
 from .opd_pipeline import *  # noqa: F401,F403
 
 __version__ = '0.1.0'
@@ -48,9 +56,9 @@ _BOOK = (
     ('scaling', ('scaling',)),
     ('distillation', ('distillation',)),
     ('low_precision', ('low_precision',)),
-    ('teacher_scheduling', ('teacher_scheduling',)),
-    ('wal_rollout', ('wal_rollout',)),
-    ('long_trajectories', ('long_trajectories',)),
+    ('teacher_scheduling', ('teacher_store', 'fused_kl', 'teacher_scheduling',)),
+    ('wal_rollout', ('wal', 'wal_rollout', 'preemption',)),
+    ('long_trajectories', ('trajectory_store', 'heavy_loader', 'context_parallel', 'wal_scan', 'group_commit',)),
     ('opd_pipeline', ('opd_pipeline',)),
 )
 _MODULES = tuple(m for _, own in _BOOK for m in own)

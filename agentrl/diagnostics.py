@@ -12,49 +12,29 @@ import functools
 
 # -------- 1. What to log, and why
 
-def _update_rows(batch, advantages, pack, max_tokens):
-    """The rows an update trains on -> dict: ids [R, L], action_mask / sample_logp /
-    adv [R, L-1], length [R], and for packed rows position_ids, segment_ids [R, L]."""
-    if pack is None:
-        mask = batch['action_mask']                                  # [B, T-1]
-        return dict(ids=batch['ids'], action_mask=mask,
-                    sample_logp=batch['sample_logp'], length=batch['length'],
-                    adv=advantages[:, None].expand_as(mask))
-    trajs = [arl.Trajectory(ids=batch['ids'][i, :n],
-                            action_mask=batch['action_mask'][i, :n - 1],
-                            sample_logp=batch['sample_logp'][i, :n - 1], reward=0.0)
-             for i, n in enumerate(batch['length'].tolist())]
-    packed = arl.pack_sequences(trajs, max_tokens)
-    adv = torch.zeros_like(packed['action_mask'])                    # [R, L-1]
-    for r, members in enumerate(packed['rows']):
-        seg = packed['segment_ids'][r, :-1]                          # [L-1]
-        for k, i in enumerate(members):
-            adv[r][seg == k] = advantages[i]
-    R, L = packed['ids'].shape
-    return dict(ids=packed['ids'], action_mask=packed['action_mask'],
-                sample_logp=packed['sample_logp'], adv=adv,
-                length=torch.full((R,), L), position_ids=packed['position_ids'],
-                segment_ids=packed['segment_ids'])
+def _update_rows(batch, advantages, cfg):
+    """The rows an update trains on, padded as collate made them -> dict: ids [B, T],
+    action_mask / sample_logp / adv [B, T-1], length [B]. (traced_update's default
+    rows_fn; chapter 14 passes packed rows.)"""
+    mask = batch['action_mask']                                      # [B, T-1]
+    return dict(ids=batch['ids'], action_mask=mask, sample_logp=batch['sample_logp'],
+                length=batch['length'], adv=advantages[:, None].expand_as(mask))
 
 
-def _update_logits(model, rows, sel, width, pack):
-    """Logits [b, width, V] of the rows `sel`: padded rows with the default causal
-    mask; packed rows with the block-diagonal mask ('block', correct) or with a plain
-    causal mask that lets every episode attend to the ones before it ('causal')."""
-    ids = rows['ids'][sel, :width]
-    if pack is None:
-        return model(ids)
-    pos, seg = rows['position_ids'][sel, :width], rows['segment_ids'][sel, :width]
-    if pack == 'block':
-        return arl.packed_logits(model, ids, pos, seg)
-    return model(ids, position_ids=pos)                  # causal across episodes
+def _update_logits(model, rows, sel, width, forward):
+    """Logits [b, width, V] of the rows `sel`: the model's own forward (forward None),
+    or forward(model, rows, sel, width), a part that knows the rows' layout."""
+    if forward is None:
+        return model(rows['ids'][sel, :width])
+    return forward(model, rows, sel, width)
 
 
 class Trace(arl.UpdateTerm):
     """A part of chapter 7's rl_update that measures what a dashboard needs and can
     inject the bugs of chapter 13's gallery, on `rows` from _update_rows.
 
-    It supplies the forward (packed rows: pack='block' or the leaky 'causal'), the old
+    It supplies the forward (forward: a part for rows in another layout, such as
+    chapter 14's packed rows), the old
     log-probs (old_policy: a model whose log-probs serve as the old ones, e.g. a stale
     copy), the per-token advantages of the rows, and with normalize='micro' weights
     that give each micro-batch its own token mean divided by the number of
@@ -65,9 +45,9 @@ class Trace(arl.UpdateTerm):
     KL(policy || ref_model)).
     """
 
-    def __init__(self, rows, micro_batch_size, pack=None, normalize='global',
+    def __init__(self, rows, micro_batch_size, forward=None, normalize='global',
                  old_policy=None, ref_model=None):
-        self.rows, self.pack, self.normalize = rows, pack, normalize
+        self.rows, self.forward, self.normalize = rows, forward, normalize
         self.old_policy, self.ref_model = old_policy, ref_model
         self.n_chunks = -(-len(rows['ids']) // micro_batch_size)
 
@@ -77,15 +57,15 @@ class Trace(arl.UpdateTerm):
                           kl_ref=0.0)
 
     def logits(self, model, ids, sl):
-        if self.pack is None:
+        if self.forward is None:
             return None
-        return _update_logits(model, self.rows, sl[0], ids.shape[1], self.pack)
+        return self.forward(model, self.rows, sl[0], ids.shape[1])
 
     def old_log_probs(self, ids, sl):
         self.old = None
         if self.old_policy is not None:
             logits = _update_logits(self.old_policy, self.rows, sl[0], ids.shape[1],
-                                    self.pack)
+                                    self.forward)
             self.old = arl.selected_log_probs(logits[:, :-1], ids[:, 1:])
         return self.old
 
@@ -101,7 +81,7 @@ class Trace(arl.UpdateTerm):
                                            (ratio - 1).abs().max().item())
         if self.ref_model is not None:
             ref = _update_logits(self.ref_model, self.rows, sl[0], ids.shape[1],
-                                 self.pack)
+                                 self.forward)
             ref_logp = arl.selected_log_probs(ref[:, :-1], ids[:, 1:])
             k3 = arl.kl_estimate(logp, ref_logp, 'k3')          # [b, width-1]
             first['kl_ref'] += (k3 * mask).sum().item()
@@ -129,26 +109,27 @@ class Trace(arl.UpdateTerm):
 
 
 def traced_update(model, optimizer, batch, advantages, cfg, ref_model=None,
-                  generator=None, pack=None, normalize='global', old_policy=None):
+                  generator=None, normalize='global', old_policy=None, rows_fn=None,
+                  forward=None):
     """Chapter 7's rl_update with the part Trace -> rl_update's stats and Trace's.
 
     batch: dict from collate; advantages [B]. With the defaults it trains exactly as
-    chapter 7's rl_update (same parameters bit for bit). The options inject the bugs
-    of chapter 13's gallery: pack='block' (packed rows, block-diagonal mask) or
-    'causal' (packed rows, plain causal mask: leaks); normalize='micro' (each
-    micro-batch's own token mean / number of micro-batches); old_policy (a model whose
-    log-probs serve as the old ones). ref_model is only measured (kl_ref): cfg must
-    add no parts of its own (no KL penalty, no entropy bonus).
+    chapter 7's rl_update (same parameters bit for bit). Two options inject the bugs
+    of chapter 13's gallery: normalize='micro' (each micro-batch's own token mean /
+    number of micro-batches) and old_policy (a model whose log-probs serve as the old
+    ones). Two parts lay the rows out otherwise: rows_fn(batch, advantages, cfg) ->
+    the rows dict (default: the padded rows of _update_rows), and forward(model, rows,
+    sel, width) -> logits [b, width, V] of rows sel (default: the model's own
+    forward); chapter 14 passes packed rows with both. ref_model is only measured
+    (kl_ref): cfg must add no parts of its own (no KL penalty, no entropy bonus).
     """
-    if pack not in (None, 'block', 'causal'):
-        raise ValueError(f"pack must be None, 'block' or 'causal', got {pack!r}")
     if normalize not in ('global', 'micro'):
         raise ValueError(f"normalize must be 'global' or 'micro', got {normalize!r}")
     if cfg.update_terms(ref_model):
         raise ValueError('traced_update measures chapter 7\'s update: cfg must add no '
                          'update terms (a KL penalty or an entropy bonus)')
-    rows = _update_rows(batch, advantages, pack, cfg.max_tokens)
-    trace = Trace(rows, cfg.micro_batch_size, pack, normalize, old_policy, ref_model)
+    rows = (rows_fn or _update_rows)(batch, advantages, cfg)
+    trace = Trace(rows, cfg.micro_batch_size, forward, normalize, old_policy, ref_model)
     per_row = torch.zeros(len(rows['ids']))          # replaced by Trace's, per token
     return arl.rl_update(model, optimizer, rows, per_row, cfg, generator=generator,
                          terms=(trace,))
@@ -359,8 +340,7 @@ def run_checks(history, thresholds):
 
 # -------- 5. A gallery of bugs
 
-BUGS = ('leaky_packing', 'micro_normalisation', 'observations_in_loss',
-        'stale_old_logp', 'lr_x30')
+BUGS = ('micro_normalisation', 'observations_in_loss', 'stale_old_logp', 'lr_x30')
 
 
 def observation_loss_bug(sampled, step):
@@ -402,9 +382,7 @@ def inject_bug(name, cfg):
     if name is not None and name not in BUGS:
         raise ValueError(f'name must be None or one of {BUGS}, got {name!r}')
     hooks = dict(cfg=cfg, transform=None, update_fn=traced_update)
-    if name == 'leaky_packing':
-        hooks['update_fn'] = functools.partial(traced_update, pack='causal')
-    elif name == 'micro_normalisation':
+    if name == 'micro_normalisation':
         hooks['update_fn'] = functools.partial(traced_update, normalize='micro')
     elif name == 'observations_in_loss':
         hooks['transform'] = observation_loss_bug

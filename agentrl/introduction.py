@@ -8,6 +8,10 @@ import time
 import torch
 import json
 from importlib import resources
+import hashlib
+import urllib.request
+from pathlib import Path
+import agentrl as arl
 
 
 # -------- Five small helpers
@@ -135,6 +139,108 @@ def chapter_cost(chapter):
             f'{took("warm")} warm ({day})')
 
 
+def cache_dir():
+    """Where slow artefacts are cached: $AGENTRL_CACHE, else ~/.cache/agentrl
+    (created if missing)."""
+    path = Path(os.environ.get('AGENTRL_CACHE', Path.home() / '.cache' / 'agentrl'))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_atomically(path, write):
+    """Call write(tmp) on a temporary name beside `path`, then rename it to `path`:
+    a reader (a parallel run, a resumed process) sees the old file or the new one,
+    never half of one. The temporary file is removed if write fails."""
+    path = Path(path)
+    tmp = path.with_name(f'{path.name}.{os.getpid()}.tmp')
+    try:
+        write(tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+BUNDLE_MANIFEST = 'manifest.json'
+
+
+def _sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def export_artifacts(dest, kinds=None):
+    """Copy the cached artefacts into the folder `dest` with a manifest -> the manifest.
+
+    kinds: the artefact kinds to ship (a file name up to its first '-': 'rl_base',
+    'rl_run', 'kl', ...), default every kind. dest/manifest.json maps each file name
+    (its cache key: the kind and a hash of recipe and code) to the sha256 of its
+    bytes and holds nothing else, so two exports of the same runs are identical.
+    """
+    files = sorted(p for p in cache_dir().iterdir()
+                   if p.is_file() and '-' in p.name and not p.name.endswith('.tmp')
+                   and (kinds is None or p.name.split('-')[0] in kinds))
+    if not files:
+        raise ValueError(f'no cached artefacts of kinds {kinds} in {cache_dir()}')
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    manifest = {}
+    for path in files:
+        data = path.read_bytes()
+        manifest[path.name] = _sha256(data)
+        (dest / path.name).write_bytes(data)
+    (dest / BUNDLE_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def _read(source, name):
+    """The bytes of `name` in a bundle: a folder, or a URL (file://, https://...)."""
+    if '://' in str(source):
+        with urllib.request.urlopen(f'{str(source).rstrip("/")}/{name}') as response:
+            return response.read()
+    return (Path(source) / name).read_bytes()
+
+
+def load_artifacts(source):
+    """Copy a bundle made by export_artifacts (a folder or a URL) into cache_dir(),
+    checking every file against its manifest's sha256 -> the number of files added.
+
+    A file already in the cache is kept (its name is its key: same recipe, same
+    code); a file whose bytes do not match its hash raises ValueError and is not
+    written; each file lands atomically (a temporary name, then a rename). Cached
+    evaluations are pickles, and unpickling runs code: load bundles only from a
+    source you trust, such as the book's own release.
+    """
+    manifest = json.loads(_read(source, BUNDLE_MANIFEST))
+    if not isinstance(manifest, dict):
+        raise ValueError(f'{BUNDLE_MANIFEST} of {source} is not a name -> sha256 map')
+    added = 0
+    for name, digest in sorted(manifest.items()):
+        if Path(name).name != name or '-' not in name or name.endswith('.tmp'):
+            raise ValueError(f'bad file name {name!r} in the manifest of {source}')
+        target = cache_dir() / name
+        if target.exists():
+            continue
+        data = _read(source, name)
+        if _sha256(data) != digest:
+            raise ValueError(f'{name} of {source} does not match its sha256 in the '
+                             'manifest: not loaded')
+        write_atomically(target, lambda tmp: tmp.write_bytes(data))
+        added += 1
+    return added
+
+
+def load_release_artifacts(repo):
+    """load_artifacts from the release of this package's version on GitHub (`repo`:
+    the repository's URL) -> the number of files added; 0, saying why, when the
+    release holds no artefacts or cannot be reached (a cold run then trains what it
+    needs). Every chapter's setup cell calls it on Colab."""
+    source = f'{repo}/releases/download/v{arl.__version__}'
+    try:
+        return load_artifacts(source)
+    except OSError as error:
+        print(f'no published artefacts ({error}): a cold run trains what it needs')
+        return 0
+
+
 __all__ = [
     'pick_device',
     'seed_everything',
@@ -144,4 +250,10 @@ __all__ = [
     'set_torch_threads',
     'timing_record',
     'chapter_cost',
+    'cache_dir',
+    'write_atomically',
+    'BUNDLE_MANIFEST',
+    'export_artifacts',
+    'load_artifacts',
+    'load_release_artifacts',
 ]

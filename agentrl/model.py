@@ -146,6 +146,9 @@ class TinyAgent(nn.Module):
                             ('max_len', max_len)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f'{name} must be a positive int, got {value!r}')
+        if d_model % n_heads:
+            raise ValueError(f'd_model={d_model} must be divisible by '
+                             f'n_heads={n_heads}')
         self.vocab_size, self.max_len = vocab_size, max_len
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(max_len, d_model)

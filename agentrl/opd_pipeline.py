@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 import agentrl as arl
 import hashlib
-import multiprocessing
 from multiprocessing import shared_memory
 import numpy as np
 import tempfile
@@ -228,8 +227,7 @@ class HeavyLoader:
     leaves nothing the next loader on the store does not remove.
     """
     def __init__(self, root, d, timeout=120):
-        ctx = multiprocessing.get_context('forkserver')
-        ctx.set_forkserver_preload(['agentrl'])
+        ctx = arl.forkserver_context()
         self.inbox, self.outbox, self.timeout = ctx.Queue(), ctx.Queue(), timeout
         self.worker = ctx.Process(target=arl.loader_worker, daemon=True,
                                   args=(str(root), d, self.inbox, self.outbox, 0))

@@ -19,7 +19,6 @@ import multiprocessing
 import sys
 import traceback
 from multiprocessing.connection import wait
-import urllib.request
 
 
 # -------- The configuration
@@ -408,19 +407,6 @@ def train_rl(model, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10, eval
     return history
 
 
-def write_atomically(path, write):
-    """Call write(tmp) on a temporary name beside `path`, then rename it to `path`:
-    a reader (a parallel run, a resumed process) sees the old file or the new one,
-    never half of one. The temporary file is removed if write fails."""
-    path = Path(path)
-    tmp = path.with_name(f'{path.name}.{os.getpid()}.tmp')
-    try:
-        write(tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def run_identity(model, cfg, steps):
     """What a checkpoint belongs to (16 hex digits): the run's config, its length and
     the weights it started from."""
@@ -437,7 +423,7 @@ def save_checkpoint(path, run, state, model, optimizer, generator, hooks=()):
     checkpoint = dict(run=run, state=state, model=model.state_dict(),
                       optimizer=optimizer.state_dict(), generator=generator.get_state(),
                       torch_rng=torch.get_rng_state(), hooks=hook_states)
-    write_atomically(path, lambda tmp: torch.save(checkpoint, tmp))
+    arl.write_atomically(path, lambda tmp: torch.save(checkpoint, tmp))
 
 
 def load_checkpoint(path, run, model, optimizer, generator, hooks=()):
@@ -707,74 +693,6 @@ def seed_paired(a, b, level=0.95, n_boot=2000, seed=0):
                 per_seed=diffs.mean(1).tolist())
 
 
-BUNDLE_MANIFEST = 'manifest.json'
-
-
-def _sha256(data):
-    return hashlib.sha256(data).hexdigest()
-
-
-def export_artifacts(dest, kinds=None):
-    """Copy the cached artefacts into the folder `dest` with a manifest -> the manifest.
-
-    kinds: the artefact kinds to ship (a file name up to its first '-': 'rl_base',
-    'rl_run', 'kl', ...), default every kind. dest/manifest.json maps each file name
-    (its cache key: the kind and a hash of recipe and code) to the sha256 of its
-    bytes and holds nothing else, so two exports of the same runs are identical.
-    """
-    files = sorted(p for p in arl.cache_dir().iterdir()
-                   if p.is_file() and '-' in p.name and not p.name.endswith('.tmp')
-                   and (kinds is None or p.name.split('-')[0] in kinds))
-    if not files:
-        raise ValueError(f'no cached artefacts of kinds {kinds} in {arl.cache_dir()}')
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    manifest = {}
-    for path in files:
-        data = path.read_bytes()
-        manifest[path.name] = _sha256(data)
-        (dest / path.name).write_bytes(data)
-    (dest / BUNDLE_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    return manifest
-
-
-def _read(source, name):
-    """The bytes of `name` in a bundle: a folder, or a URL (file://, https://...)."""
-    if '://' in str(source):
-        with urllib.request.urlopen(f'{str(source).rstrip("/")}/{name}') as response:
-            return response.read()
-    return (Path(source) / name).read_bytes()
-
-
-def load_artifacts(source):
-    """Copy a bundle made by export_artifacts (a folder or a URL) into cache_dir(),
-    checking every file against its manifest's sha256 -> the number of files added.
-
-    A file already in the cache is kept (its name is its key: same recipe, same
-    code); a file whose bytes do not match its hash raises ValueError and is not
-    written; each file lands atomically (a temporary name, then a rename). Cached
-    evaluations are pickles, and unpickling runs code: load bundles only from a
-    source you trust, such as the book's own release.
-    """
-    manifest = json.loads(_read(source, BUNDLE_MANIFEST))
-    if not isinstance(manifest, dict):
-        raise ValueError(f'{BUNDLE_MANIFEST} of {source} is not a name -> sha256 map')
-    added = 0
-    for name, digest in sorted(manifest.items()):
-        if Path(name).name != name or '-' not in name or name.endswith('.tmp'):
-            raise ValueError(f'bad file name {name!r} in the manifest of {source}')
-        target = arl.cache_dir() / name
-        if target.exists():
-            continue
-        data = _read(source, name)
-        if _sha256(data) != digest:
-            raise ValueError(f'{name} of {source} does not match its sha256 in the '
-                             'manifest: not loaded')
-        arl.write_atomically(target, lambda tmp: tmp.write_bytes(data))
-        added += 1
-    return added
-
-
 __all__ = [
     'RLConfig',
     'sample_step',
@@ -786,7 +704,6 @@ __all__ = [
     'behavior_stats',
     'informative_groups',
     'train_rl',
-    'write_atomically',
     'run_identity',
     'save_checkpoint',
     'load_checkpoint',
@@ -801,7 +718,4 @@ __all__ = [
     'usable_cores',
     'parallel_map',
     'seed_paired',
-    'BUNDLE_MANIFEST',
-    'export_artifacts',
-    'load_artifacts',
 ]

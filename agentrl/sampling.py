@@ -179,9 +179,10 @@ def sample_groups(model, env_fn, tasks, tok, cfg, generator=None, *, seed=None):
     so that successive calls sample new episodes).
     """
     _check_sampling(cfg)
-    if not isinstance(tok, arl.Tokenizer):
-        raise TypeError('tok must be the book\'s Tokenizer (arl.build_tokenizer), got '
-                        f'{type(tok).__name__}')
+    if not isinstance(tok, arl.TokenizerLike):
+        raise TypeError('tok must have what arl.TokenizerLike lists (itos, stoi, '
+                        'pad_id, bos_id, len, encode, decode), as the tokenizer of '
+                        f'arl.build_tokenizer does; got {type(tok).__name__}')
     if (generator is None) == (seed is None):
         raise TypeError('pass exactly one of generator and seed')
     if seed is None:

@@ -93,6 +93,8 @@ def token_budget_batches(lengths, max_tokens):
     if max_tokens < 1:
         raise ValueError(f'max_tokens must be at least 1, got {max_tokens}')
     for i, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f'lengths must be >= 0, got lengths[{i}] = {n}')
         if n > max_tokens:
             raise ValueError(f'sequence {i} has {n} tokens, more than the budget '
                              f'max_tokens={max_tokens}')
@@ -237,6 +239,56 @@ def train_curriculum(model, tasks, tok, cfg, steps, low=0.0, high=1.0, revisit=1
                         progress=progress, sample_fn=sample_fn)
 
 
+# -------- 9. Leaky packing is a silent off-policy error
+
+def packed_update_rows(batch, advantages, cfg):
+    """Chapter 13's traced_update rows, packed: the episodes of `batch` (collate's
+    dict; advantages [B]) in rows of cfg.max_tokens by pack_sequences -> dict: ids,
+    position_ids, segment_ids [R, L], action_mask, sample_logp, adv [R, L-1] (each
+    token carries its episode's advantage), length [R]. A rows_fn of traced_update."""
+    trajs = [arl.Trajectory(ids=batch['ids'][i, :n],
+                            action_mask=batch['action_mask'][i, :n - 1],
+                            sample_logp=batch['sample_logp'][i, :n - 1], reward=0.0)
+             for i, n in enumerate(batch['length'].tolist())]
+    packed = pack_sequences(trajs, cfg.max_tokens)
+    adv = torch.zeros_like(packed['action_mask'])                    # [R, L-1]
+    for r, members in enumerate(packed['rows']):
+        seg = packed['segment_ids'][r, :-1]                          # [L-1]
+        for k, i in enumerate(members):
+            adv[r][seg == k] = advantages[i]
+    R, L = packed['ids'].shape
+    return dict(ids=packed['ids'], action_mask=packed['action_mask'],
+                sample_logp=packed['sample_logp'], adv=adv,
+                length=torch.full((R,), L), position_ids=packed['position_ids'],
+                segment_ids=packed['segment_ids'])
+
+
+def packed_forward(mask):
+    """A forward of traced_update for packed_update_rows -> function (model, rows,
+    sel, width) -> logits [b, width, V] of rows sel. mask 'block': packed_logits'
+    block-diagonal mask (correct); 'causal': restarted positions under a plain
+    causal mask, so every episode attends to the episodes before it in its row (the
+    leaky-packing bug)."""
+    if mask not in ('block', 'causal'):
+        raise ValueError(f"mask must be 'block' or 'causal', got {mask!r}")
+
+    def forward(model, rows, sel, width):
+        ids, pos = rows['ids'][sel, :width], rows['position_ids'][sel, :width]
+        if mask == 'block':
+            return packed_logits(model, ids, pos, rows['segment_ids'][sel, :width])
+        return model(ids, position_ids=pos)                 # causal across episodes
+    return forward
+
+
+def leaky_packing_update(model, optimizer, batch, advantages, cfg, ref_model=None,
+                         generator=None):
+    """An update_fn for train_rl with the leaky-packing bug: chapter 13's
+    traced_update on packed rows under a plain causal mask -> its stats."""
+    return arl.traced_update(model, optimizer, batch, advantages, cfg, ref_model,
+                             generator, rows_fn=packed_update_rows,
+                             forward=packed_forward('causal'))
+
+
 __all__ = [
     'pack_sequences',
     'packed_logits',
@@ -247,4 +299,7 @@ __all__ = [
     'filter_by_pass_rate',
     'curriculum_sampler',
     'train_curriculum',
+    'packed_update_rows',
+    'packed_forward',
+    'leaky_packing_update',
 ]

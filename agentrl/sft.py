@@ -344,14 +344,6 @@ def compare_evaluations(before, after, level=0.95, n_boot=2000, seed=0):
 
 # -------- 5.7 `make_rl_base`: a cached artefact
 
-def cache_dir():
-    """Where slow artefacts are cached: $AGENTRL_CACHE, else ~/.cache/agentrl
-    (created if missing)."""
-    path = Path(os.environ.get('AGENTRL_CACHE', Path.home() / '.cache' / 'agentrl'))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def recipe_hash(recipe):
     """Short, stable hash of a JSON-able recipe dict (the cache key): 16 hex digits, key
     order irrelevant."""
@@ -402,7 +394,7 @@ def rl_base_path(tok, recipe=None):
     data = recipe_hash([arl.demonstration(t) for t in demos])
     key = recipe_hash(dict(recipe, vocab=tok.itos, demonstrations=data,
                            code=source_hash(BASE_MODULES)))
-    return cache_dir() / f'rl_base-{key}.safetensors'
+    return arl.cache_dir() / f'rl_base-{key}.safetensors'
 
 
 def make_rl_base(tok, recipe=None, verbose=True):
@@ -448,7 +440,6 @@ __all__ = [
     'evaluate',
     'wilson_interval',
     'compare_evaluations',
-    'cache_dir',
     'recipe_hash',
     'code_fingerprint',
     'source_hash',

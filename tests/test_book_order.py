@@ -1,40 +1,20 @@
-"""Book order is the dependency order (DESIGN.md, "Extraction"): a module uses only names
-saved by its own or earlier chapters, and from chapter 6 on a notebook calls only those
-too, so the dependency graph is a DAG a reader can draw. The edges that still point
-forward are listed here by name, so that no new one appears unnoticed; they are the
-"backward edges" of the one-engine issue (part 1), and the list shrinks as it is done."""
-import importlib
+"""Book order is the dependency order (DESIGN.md, "Extraction"), with no exceptions:
+- a module uses only names saved by modules placed before it: an earlier chapter's, or
+  an earlier one of its own chapter (a chapter's modules take their place where the
+  chapter completes them, tools/extract.py);
+- from chapter 6 on, a notebook (its setup cell included) calls only names saved by its
+  own or earlier chapters.
+So the dependency graph is a DAG a reader can draw, and a new backward edge fails here."""
 import json
 import re
 
 import pytest
 
+import agentrl as arl
 from conftest import REPO
 
 CHAPTERS = sorted(p.parent.name for p in (REPO / "chapters").glob("*/en.ipynb"))
 FIRST_STRICT_NOTEBOOK = 5            # index of chapter 6: chapters 1-5 may preview
-
-# (user, name used, the later chapter that saves it)
-KNOWN_FORWARD_EDGES = {
-    ("agentrl/diagnostics.py", "pack_sequences", "14_scaling"),
-    ("agentrl/diagnostics.py", "packed_logits", "14_scaling"),
-    ("13_diagnostics/en.ipynb", "pack_sequences", "14_scaling"),     # the saved cell
-    ("13_diagnostics/en.ipynb", "packed_logits", "14_scaling"),
-}
-
-
-def module_of(chapter):
-    return chapter.split("_", 1)[1]
-
-
-def home_chapters():
-    """Saved name -> index of the chapter whose module defines it."""
-    home = {}
-    for i, chapter in enumerate(CHAPTERS):
-        module = importlib.import_module(f"agentrl.{module_of(chapter)}")
-        for name in module.__all__:
-            home.setdefault(name, i)
-    return home
 
 
 def arl_names(source):
@@ -42,37 +22,76 @@ def arl_names(source):
     return set(re.findall(r"\barl\.([A-Za-z_]\w*)", source))
 
 
-def forward_edges():
-    home = home_chapters()
+def home_modules(order, exports):
+    """Saved name -> index (in `order`) of the module that saves it first."""
+    home = {}
+    for i, module in enumerate(order):
+        for name in exports[module]:
+            home.setdefault(name, i)
+    return home
+
+
+def module_edges(order, exports, texts):
+    """(user module, name, later module) for each `arl.<name>` that a module in `order`
+    uses although a module placed after it saves the name."""
+    home = home_modules(order, exports)
+    return {(f"agentrl/{m}.py", name, order[home[name]])
+            for i, m in enumerate(order) for name in arl_names(texts[m])
+            if home.get(name, -1) > i}
+
+
+def chapter_index():
+    """Module -> index in CHAPTERS of the chapter that saves it."""
+    slugs = [c.split("_", 1)[1] for c in CHAPTERS]
+    return {m: slugs.index(slug) for slug, own in arl._BOOK for m in own}
+
+
+def package():
+    order = arl._MODULES
+    exports = {m: getattr(arl, m).__all__ for m in order}
+    texts = {m: (REPO / "agentrl" / f"{m}.py").read_text() for m in order}
+    return order, exports, texts
+
+
+def notebook_edges():
+    """(notebook, name, module) for each `arl.<name>` a notebook of chapter 6 or later
+    calls although a later chapter saves it."""
+    order, exports, _ = package()
+    home, chapter = home_modules(order, exports), chapter_index()
     edges = set()
-    for i, chapter in enumerate(CHAPTERS):
-        path = REPO / "agentrl" / f"{module_of(chapter)}.py"
-        for name in arl_names(path.read_text()):
-            if home.get(name, -1) > i:
-                edges.add((f"agentrl/{path.name}", name, CHAPTERS[home[name]]))
-        if i < FIRST_STRICT_NOTEBOOK:
-            continue
-        nb = json.loads((REPO / "chapters" / chapter / "en.ipynb").read_text())
+    for i, name in enumerate(CHAPTERS[FIRST_STRICT_NOTEBOOK:], FIRST_STRICT_NOTEBOOK):
+        nb = json.loads((REPO / "chapters" / name / "en.ipynb").read_text())
         for cell in nb["cells"]:
-            # the setup cell is every chapter's same preamble (on Colab it installs the
-            # package's release and loads its artefacts), not the chapter's own code
-            if cell["cell_type"] != "code" or cell.get("id") == "setup":
+            if cell["cell_type"] != "code":
                 continue
-            for name in arl_names("".join(cell["source"])):
-                if home.get(name, -1) > i:
-                    edges.add((f"{chapter}/en.ipynb", name, CHAPTERS[home[name]]))
+            for used in arl_names("".join(cell["source"])):
+                if used in home and chapter[order[home[used]]] > i:
+                    edges.add((f"{name}/en.ipynb", used, order[home[used]]))
     return edges
 
 
-def test_no_new_forward_edges():
-    new = forward_edges() - KNOWN_FORWARD_EDGES
-    assert not new, ("these use a name that a later chapter saves (book order is the "
-                     f"dependency order): {sorted(new)}")
+def test_the_book_lists_every_chapter_with_saved_code_in_order():
+    slugs = [c.split("_", 1)[1] for c in CHAPTERS]
+    assert [slug for slug, _ in arl._BOOK] == [s for s in slugs if s in dict(arl._BOOK)]
+    assert arl._MODULES == tuple(m for _, own in arl._BOOK for m in own)
 
 
-def test_the_list_of_known_edges_is_current():
-    gone = KNOWN_FORWARD_EDGES - forward_edges()
-    assert not gone, f"fixed, so remove them from KNOWN_FORWARD_EDGES: {sorted(gone)}"
+def test_no_module_uses_a_module_placed_after_it():
+    edges = module_edges(*package())
+    assert not edges, f"these modules use a name saved after them: {sorted(edges)}"
+
+
+def test_no_notebook_calls_a_later_chapter():
+    edges = notebook_edges()
+    assert not edges, f"these notebooks call a name a later chapter saves: {sorted(edges)}"
+
+
+def test_a_backward_edge_is_caught():
+    order = ("a", "b")
+    exports = {"a": ["f"], "b": ["g"]}
+    assert module_edges(order, exports, {"a": "arl.f()", "b": "arl.f(); arl.g()"}) == set()
+    assert module_edges(order, exports, {"a": "x = arl.g", "b": ""}) == {
+        ("agentrl/a.py", "g", "b")}
 
 
 @pytest.mark.parametrize("source, names", [
@@ -89,9 +108,7 @@ def test_readme_module_graph_is_current():
     import deps
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert deps.block(REPO) in readme, "stale module graph: python tools/deps.py --write"
-    # every arrow points up the list (book order), but the known forward edges
-    order = list(deps.graph(REPO))
+    order = list(deps.graph(REPO))          # every arrow points up the list (book order)
     upward = {(m, u) for m, uses in deps.graph(REPO).items() for u in uses
               if order.index(u) > order.index(m)}
-    assert upward == {(user[len("agentrl/"):-len(".py")], module_of(ch))
-                      for user, _, ch in KNOWN_FORWARD_EDGES if user.startswith("agentrl/")}
+    assert upward == set()

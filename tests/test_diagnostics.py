@@ -68,10 +68,17 @@ def test_shared_stats_agree_with_chapter_9(setup):
     assert st['approx_kl'] > 0 and st['ratio_max'] > 1 > st['ratio_min']
 
 
+def packed(mask):
+    """traced_update's parts for packed rows (chapter 14) under `mask`."""
+    return dict(rows_fn=arl.packed_update_rows, forward=arl.packed_forward(mask))
+
+
 def test_block_packing_matches_padded_and_causal_packing_leaks(setup):
     _, padded = _update(setup)
-    _, block = _update(setup, pack='block')
-    _, leaky = _update(setup, pack='causal')
+    _, block = _update(setup, **packed('block'))
+    _, leaky = _update(setup, **packed('causal'))
+    m, also_leaky = _update(setup, arl.leaky_packing_update)
+    assert also_leaky == leaky
     assert block['loss'] == pytest.approx(padded['loss'], abs=1e-5)
     assert block['entropy'] == pytest.approx(padded['entropy'], rel=1e-4)
     assert block['mismatch'] < 1e-5
@@ -99,8 +106,8 @@ def test_old_policy_sets_the_first_ratio(setup):
 
 
 def test_traced_update_rejects_bad_options_and_empty_batches(setup):
-    with pytest.raises(ValueError, match='pack'):
-        _update(setup, pack='packed')
+    with pytest.raises(ValueError, match="mask must be 'block' or 'causal'"):
+        arl.packed_forward('packed')
     with pytest.raises(ValueError, match='normalize'):
         _update(setup, normalize='local')
     model, _, _, _, cfg = setup
@@ -280,8 +287,11 @@ def test_traced_update_is_the_frozen_one_bit_for_bit(setup, kw):
             for p in old.parameters():
                 p.mul_(0.98)
         kw['old_policy'] = old
+    new = dict(kw)
+    if 'pack' in new:                    # packing is now chapter 14's two parts
+        new.update(packed(new.pop('pack')))
     a, sa = _update(setup, traced_update_v1, ref=ref, **kw)
-    b, sb = _update(setup, ref=ref, **kw)
+    b, sb = _update(setup, ref=ref, **new)
     if kw.get('normalize') == 'micro':
         # the bug is now a per-token weight N / (n_micro * micro-batches) on chapter 7's
         # N-normalised loss: the same loss, rounded differently

@@ -116,7 +116,8 @@ def _trainers(tasks, tok, base, cfg):
         adv = arl.compute_advantages(batch, cfg)
         opt = torch.optim.Adam(model.parameters())
         arl.ppo_update(model, opt, batch, adv, cfg, epochs=2, tis_cap=2.0)
-        arl.traced_update(model, opt, batch, adv, cfg, pack='block')
+        arl.traced_update(model, opt, batch, adv, cfg, rows_fn=arl.packed_update_rows,
+                          forward=arl.packed_forward('block'))
 
     kw = dict(progress=False)
     return {

@@ -53,7 +53,7 @@ def test_sample_groups_names_a_missing_tokenizer():
     tok = arl.build_tokenizer(arl.make_tasks('all'))
     model = arl.TinyAgent(len(tok), d_model=16, n_layers=1, n_heads=2, max_len=64)
     cfg = arl.SamplingConfig(group_size=1, max_tokens=20)
-    with pytest.raises(TypeError, match='tok must be'):
+    with pytest.raises(TypeError, match='tok must have what arl.TokenizerLike lists'):
         arl.sample_groups(model, lambda: arl.make_env(cfg), arl.make_tasks('train')[:1],
                           None, cfg, torch.Generator().manual_seed(0))
 
@@ -125,3 +125,32 @@ def test_a_changed_statement_in_any_module_up_to_the_owner_changes_the_key(monke
     after = {m: arl.code_hash(arl.book_modules(m)) for m in ('rl_loop', 'kl', 'scaling')}
     assert after['rl_loop'] == before['rl_loop']          # kl is after chapter 7
     assert after['kl'] != before['kl'] and after['scaling'] != before['scaling']
+
+
+def test_sample_groups_takes_any_tokenizer_with_the_protocol():
+    """TokenizerLike (chapter 2) names what the engine needs: an object that is not
+    arl.Tokenizer but has those members samples the very same episodes."""
+    tok = arl.build_tokenizer(arl.make_tasks('all'))
+
+    class Wrapped:                  # the members TokenizerLike lists, and nothing else
+        def __init__(self, inner):
+            self.itos, self.stoi = inner.itos, inner.stoi
+            self.pad_id, self.bos_id = inner.pad_id, inner.bos_id
+            self.encode, self.decode = inner.encode, inner.decode
+            self._n = len(inner)
+
+        def __len__(self):
+            return self._n
+
+    wrapped = Wrapped(tok)
+    assert isinstance(wrapped, arl.TokenizerLike) and not isinstance(wrapped, arl.Tokenizer)
+    torch.manual_seed(0)
+    model = arl.TinyAgent(len(tok), d_model=16, n_layers=1, n_heads=2, max_len=64)
+    cfg = arl.SamplingConfig(group_size=2, max_tokens=40)
+    tasks = arl.make_tasks('train')[:2]
+    runs = [arl.sample_groups(model, lambda: arl.make_env(cfg), tasks, t, cfg, seed=3)
+            for t in (tok, wrapped)]
+    assert [t.ids.tolist() for t in runs[0]] == [t.ids.tolist() for t in runs[1]]
+    del Wrapped.__len__             # one member missing: refused, naming the protocol
+    with pytest.raises(TypeError, match='TokenizerLike'):
+        arl.sample_groups(model, lambda: arl.make_env(cfg), tasks, wrapped, cfg, seed=3)

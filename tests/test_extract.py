@@ -141,7 +141,8 @@ def test_redefine_is_refused_and_cross_chapter_calls_work(book):
     book.chapter("01_one", [code("a", "#@save\ndef f():\n    return 1\n\ndef g():\n    return 10")])
     book.chapter("02_two", [code("b", "#@save redefine\nimport agentrl as arl\n\n"
                                       "def f():\n    return 2 + arl.g()")])
-    with pytest.raises(ToolError, match=r"#@save redefine.*never redefines"):
+    # `redefine` is read as a module name; f is refused all the same: a name is saved once
+    with pytest.raises(ToolError, match=r"'f' is already defined by chapters/01_one"):
         extract.generate(book.root)
     assert extract.main(book.root) == 2 and not (book.root / "agentrl").exists()
     book.chapter("02_two", [code("b", "#@save\nimport agentrl as arl\n\n"
@@ -223,3 +224,28 @@ def test_sections_of_the_chapter_head_the_module(book):
     assert text.index("def perimeter") < text.index("# -------- Squares")
     assert extract.section_comment("x" * 100).endswith("...")
     assert len(extract.section_comment("x" * 100)) <= 88
+
+
+def test_save_into_a_module_of_its_own(book):
+    """`#@save <module>`: one subject per file; a module belongs to one chapter and takes
+    its place where the chapter saves into it last; _BOOK lists each chapter's modules."""
+    book.chapter("01_one", [code("a", "#@save\ndef f():\n    return 1")])
+    book.chapter("02_two", [code("b", "#@save log\ndef encode():\n    return 'L'"),
+                            code("c", "#@save\nimport agentrl as arl\n\n"
+                                      "def engine():\n    return arl.encode() + 'E'"),
+                            code("d", "#@save log\ndef decode():\n    return 'D'")])
+    assert extract.main(book.root) == 0
+    log = module(book, "log")
+    assert "chapters/02_two/en.ipynb" in log and "def encode" in log and "def decode" in log
+    assert "def engine" in module(book, "two") and "def encode" not in module(book, "two")
+    out = run_python(book, "import agentrl as arl\n"
+                           "print(arl._BOOK, arl._MODULES, arl.engine(), arl.decode())")
+    # 'two' (completed by cell c) comes before 'log' (completed by cell d)
+    assert out.split(") ")[-1].split() == ["LE", "D"]
+    assert "(('one', ('one',)), ('two', ('two', 'log')))" in out
+    book.chapter("03_three", [code("e", "#@save log\ndef g():\n    return 3")])
+    with pytest.raises(ToolError, match=r"module 'log' belongs to chapters/02_two"):
+        extract.generate(book.root)
+    book.chapter("03_three", [code("e", "#@save class\ndef g():\n    return 3")])
+    with pytest.raises(ToolError, match=r"'class' is not a module name"):
+        extract.generate(book.root)

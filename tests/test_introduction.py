@@ -92,3 +92,18 @@ def test_chapter_cost_says_cold_and_warm_and_fits_the_page(monkeypatch):
 def test_every_chapters_cost_line_fits_the_page():
     for chapter in arl.timing_record():
         assert len(arl.chapter_cost(chapter)) <= 88, chapter
+
+
+def test_load_release_artifacts_loads_this_version_or_says_why_not(tmp_path, monkeypatch,
+                                                                   capsys):
+    """Every setup cell's helper: the bundle under <repo>/releases/download/v<version>,
+    and with no such release a message and 0 (the chapter then trains cold)."""
+    monkeypatch.setenv('AGENTRL_CACHE', str(tmp_path / 'made'))
+    (arl.cache_dir() / 'rl_run-0123.json').write_bytes(b'{"history": []}')
+    repo = tmp_path / 'repo'
+    arl.export_artifacts(repo / 'releases' / 'download' / f'v{arl.__version__}')
+    monkeypatch.setenv('AGENTRL_CACHE', str(tmp_path / 'reader'))
+    assert arl.load_release_artifacts(repo.as_uri()) == 1
+    assert (tmp_path / 'reader' / 'rl_run-0123.json').read_bytes() == b'{"history": []}'
+    assert arl.load_release_artifacts((tmp_path / 'no-such-repo').as_uri()) == 0
+    assert 'no published artefacts' in capsys.readouterr().out

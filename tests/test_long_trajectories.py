@@ -1,5 +1,7 @@
-"""Tests for agentrl/long_trajectories.py (chapter 19): the trajectory store, dispatch on
-metadata, the shared-memory loader, and the vectorised write-ahead-log reader/writer."""
+"""Tests for chapter 19's modules (agentrl/trajectory_store.py, heavy_loader.py,
+context_parallel.py, wal_scan.py, group_commit.py): the trajectory store, dispatch on
+metadata, the shared-memory loader, context parallelism, and the vectorised
+write-ahead-log reader and group-commit writer."""
 import json
 import os
 import shutil
@@ -722,7 +724,8 @@ def test_loader_context_consumer_equals_one_process(tmp_path):
     plan = arl.dispatch(store.metadata(), 64, 300, seed=0, order='context',
                         context_tokens=model.context)
     torch.save(model, tmp_path / 'model.pt')
-    (run,) = arl.run_loader(tmp_path, D, [dict(plan=plan)], consume='context',
+    (run,) = arl.run_loader(tmp_path, D, [dict(plan=plan)],
+                            consume=arl.context_segment_loss,
                             model_path=tmp_path / 'model.pt')
     for step, b in zip(run['steps'], plan):
         views = arl.batch_views(_fill(store, b), b)

@@ -56,7 +56,8 @@ def test_too_long_and_bad_arguments(model):
         model(torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="ids"):
         model(torch.zeros(1, 5))
-    with pytest.raises(ValueError, match="d_model"):
+    # the message names the constructor's own argument, n_heads
+    with pytest.raises(ValueError, match="d_model=30 must be divisible by n_heads=4"):
         arl.TinyAgent(V, d_model=30, n_heads=4)
     with pytest.raises(ValueError, match="n_layers"):
         arl.TinyAgent(V, n_layers=0)

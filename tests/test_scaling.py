@@ -168,6 +168,11 @@ def test_token_budget_rejects_an_over_long_sequence():
         arl.token_budget_batches([1], 0)
 
 
+def test_token_budget_rejects_a_negative_length():
+    with pytest.raises(ValueError, match=r'lengths must be >= 0, got lengths\[1\] = -1'):
+        arl.token_budget_batches([5, -1], 10)
+
+
 # ---------------------------------------------------------------- checkpointed_log_probs
 
 @pytest.mark.parametrize('chunk_size', [1, 3, 4, 10, 64])

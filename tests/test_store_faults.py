@@ -281,7 +281,7 @@ def test_compact_with_a_concurrent_append_loses_nothing(tmp_path, monkeypatch):
     store = arl.TrajectoryStore(tmp_path, d=D)
     for s in range(3):
         store.append(trajectory(s))
-    module = arl.long_trajectories
+    module = arl.trajectory_store
     real_write, appended, threads = module._write_durably, [], []
 
     def write_slowly(path, write):
@@ -336,7 +336,7 @@ def test_reader_never_sees_a_compaction_half_done(tmp_path):
     store = arl.TrajectoryStore(tmp_path, d=D)
     for s in range(3):
         store.append(trajectory(s))
-    with arl.long_trajectories._exclusive(tmp_path):
+    with arl.trajectory_store._exclusive(tmp_path):
         ctx = multiprocessing.get_context('spawn')
         results = ctx.Queue()
         p = ctx.Process(target=_read_ids, args=(str(tmp_path), results))

@@ -1,6 +1,7 @@
-"""Unit tests for agentrl.teacher_scheduling (chapter 17): the teacher store, the sharded head
-load, the hidden-state buffer, the fused linear + divergence kernel, teacher ordering, the
-one-resident head scheduler and the scheduled distillation step (against chapter 15's plain one)."""
+"""Unit tests for chapter 17 (agentrl/teacher_store.py, fused_kl.py, teacher_scheduling.py): the
+teacher store, the sharded head load, the hidden-state buffer, the fused linear + divergence
+kernel, teacher ordering, the one-resident head scheduler and the scheduled distillation step
+(against chapter 15's plain one)."""
 import copy
 import shutil
 import threading
@@ -898,7 +899,7 @@ def test_finiteness_check_sums_but_never_misjudges():
     """The check sums each tensor (no temporary as large as a head); a sum that
     overflows from finite values is not a reason to refuse, +inf and -inf together
     are."""
-    from agentrl.teacher_scheduling import _all_finite
+    from agentrl.fused_kl import _all_finite
     inf = float('inf')
     assert _all_finite(torch.tensor([3e38, 3e38]))            # the sum overflows
     assert not _all_finite(torch.tensor([1.0, inf, -inf]))   # the sum is NaN

@@ -125,18 +125,18 @@ DRIVER = r'''
 import json, os, signal, struct, sys
 import torch
 import agentrl as arl
-from agentrl import wal_rollout as W
+from agentrl import wal, wal_rollout as W
 folder, spec, point = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 torch.set_num_threads(1)
 if point['at'] == 'record':
     # SIGKILL right after this record is appended (under policy 'token': written and
     # fsynced)
-    append = W.WalWriter.append
+    append = wal.WalWriter.append
     def append_then_die(self, rtype, payload):
         append(self, rtype, payload)
         if rtype == point['rtype'] and list(struct.unpack_from('<II', payload)) == point['key']:
             os.kill(os.getpid(), signal.SIGKILL)
-    W.WalWriter.append = append_then_die
+    wal.WalWriter.append = append_then_die
     W.run_rollout(folder, arl.RolloutSpec(**spec))
 elif point['at'] == 'before-handler':
     # stop inside the rollout process before run_rollout installs its SIGTERM handler

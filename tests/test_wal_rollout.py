@@ -734,7 +734,8 @@ def test_a_rollout_process_that_fails_on_its_own_raises_rollout_failed(tmp_path,
         proc = multiprocessing.get_context('fork').Process(target=os._exit, args=(7,))
         proc.start()
         return proc
-    monkeypatch.setattr(arl.wal_rollout, 'launch_rollout', failing)
+    # run_with_preemptions (agentrl/preemption.py) calls it as arl.launch_rollout
+    monkeypatch.setattr(arl, 'launch_rollout', failing)
     with pytest.raises(arl.RolloutFailed, match='exit code 7') as failure:
         arl.run_with_preemptions(tmp_path / 'job', spec(step_sleep_s=0.0), 0, seed=0,
                                  mode='resume')

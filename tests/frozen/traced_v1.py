@@ -6,6 +6,45 @@ import torch
 import agentrl as arl
 
 
+# chapter 13's row helpers as they were when this copy was frozen (packing inside)
+def _update_rows(batch, advantages, pack, max_tokens):
+    """The rows an update trains on -> dict: ids [R, L], action_mask / sample_logp /
+    adv [R, L-1], length [R], and for packed rows position_ids, segment_ids [R, L]."""
+    if pack is None:
+        mask = batch['action_mask']                                  # [B, T-1]
+        return dict(ids=batch['ids'], action_mask=mask,
+                    sample_logp=batch['sample_logp'], length=batch['length'],
+                    adv=advantages[:, None].expand_as(mask))
+    trajs = [arl.Trajectory(ids=batch['ids'][i, :n],
+                            action_mask=batch['action_mask'][i, :n - 1],
+                            sample_logp=batch['sample_logp'][i, :n - 1], reward=0.0)
+             for i, n in enumerate(batch['length'].tolist())]
+    packed = arl.pack_sequences(trajs, max_tokens)
+    adv = torch.zeros_like(packed['action_mask'])                    # [R, L-1]
+    for r, members in enumerate(packed['rows']):
+        seg = packed['segment_ids'][r, :-1]                          # [L-1]
+        for k, i in enumerate(members):
+            adv[r][seg == k] = advantages[i]
+    R, L = packed['ids'].shape
+    return dict(ids=packed['ids'], action_mask=packed['action_mask'],
+                sample_logp=packed['sample_logp'], adv=adv,
+                length=torch.full((R,), L), position_ids=packed['position_ids'],
+                segment_ids=packed['segment_ids'])
+
+
+def _update_logits(model, rows, sel, width, pack):
+    """Logits [b, width, V] of the rows `sel`: padded rows with the default causal
+    mask; packed rows with the block-diagonal mask ('block', correct) or with a plain
+    causal mask that lets every episode attend to the ones before it ('causal')."""
+    ids = rows['ids'][sel, :width]
+    if pack is None:
+        return model(ids)
+    pos, seg = rows['position_ids'][sel, :width], rows['segment_ids'][sel, :width]
+    if pack == 'block':
+        return arl.packed_logits(model, ids, pos, seg)
+    return model(ids, position_ids=pos)                  # causal across episodes
+
+
 def traced_update_v1(model, optimizer, batch, advantages, cfg, ref_model=None,
                   generator=None, pack=None, normalize='global', old_policy=None):
     """Chapter 7's rl_update with the measurements a dashboard needs -> stats dict.
@@ -28,7 +67,7 @@ def traced_update_v1(model, optimizer, batch, advantages, cfg, ref_model=None,
         raise ValueError(f"pack must be None, 'block' or 'causal', got {pack!r}")
     if normalize not in ('global', 'micro'):
         raise ValueError(f"normalize must be 'global' or 'micro', got {normalize!r}")
-    rows = arl.diagnostics._update_rows(batch, advantages, pack, cfg.max_tokens)
+    rows = _update_rows(batch, advantages, pack, cfg.max_tokens)
     mask_all = rows['action_mask']                           # [R, L-1]
     n_tokens = mask_all.sum()
     if n_tokens == 0:
@@ -52,14 +91,14 @@ def traced_update_v1(model, optimizer, batch, advantages, cfg, ref_model=None,
             width = int(rows['length'][sel].max())           # trim padding
             mask = mask_all[sel, :width - 1]                 # [b, width-1]
             targets = rows['ids'][sel, 1:width]              # [b, width-1]
-            logits = arl.diagnostics._update_logits(model, rows, sel, width, pack)[:, :-1]
+            logits = _update_logits(model, rows, sel, width, pack)[:, :-1]
             logp = arl.selected_log_probs(logits, targets)   # [b, width-1]
             if epoch == 0:
                 if old_policy is None:
                     old_logp[sel, :width - 1] = logp.detach()
                 else:
                     with torch.no_grad():
-                        old_logits = arl.diagnostics._update_logits(old_policy, rows, sel, width,
+                        old_logits = _update_logits(old_policy, rows, sel, width,
                                                     pack)[:, :-1]
                         old_logp[sel, :width - 1] = arl.selected_log_probs(
                             old_logits, targets)
@@ -95,7 +134,7 @@ def traced_update_v1(model, optimizer, batch, advantages, cfg, ref_model=None,
                         first['first_ratio_dev'] = max(first['first_ratio_dev'],
                                                        (r - 1).abs().max().item())
                     if ref_model is not None:
-                        ref = arl.diagnostics._update_logits(ref_model, rows, sel, width, pack)
+                        ref = _update_logits(ref_model, rows, sel, width, pack)
                         ref_logp = arl.selected_log_probs(ref[:, :-1], targets)
                         # [b, width-1]
                         k3 = arl.kl_estimate(logp, ref_logp, 'k3')

@@ -97,6 +97,8 @@ sync: venv
 # page to its translation): English (_config.yml, _toc.yml) into _build/html, the root of the
 # published site; Chinese (_config_zh.yml, _toc_zh.yml) into _build/zh/_build/html, copied to
 # _build/html/zh. .github/workflows/book.yml runs `make book` and publishes _build/html.
+# The Chinese site has no MathJax of its own: it loads the English site's (mathjax_path in
+# _config_zh.yml), so tools/check_offline.py checks it in place, in _build/html/zh.
 JB_FLAGS := -W -n --keep-going
 book: venv
 	$(VENV)/bin/jupyter-book build . --path-output . $(JB_FLAGS)

@@ -55,9 +55,11 @@ class Project:
         """Tables of contents shaped like the book's: `_toc.yml` (English site) and
         `_toc_zh.yml` (Chinese site)."""
         for name, root, lang in [("_toc.yml", "index", "en"), ("_toc_zh.yml", "index_zh", "zh")]:
-            lines = ["format: jb-book", f"root: {root}", "chapters:"]
-            lines += [f"  - file: chapters/{c}/{lang}" for c in self.chapters]
-            lines += [f"  - file: references_{lang}"]
+            # With `parts:` every page is in a part: the chapters, then the references.
+            lines = ["format: jb-book", f"root: {root}", "parts:", "  - caption: Chapters",
+                     "    chapters:" + ("" if self.chapters else " []")]
+            lines += [f"      - file: chapters/{c}/{lang}" for c in self.chapters]
+            lines += ["  - caption: References", "    chapters:", f"      - file: references_{lang}"]
             (self.root / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 

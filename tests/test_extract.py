@@ -196,14 +196,14 @@ def test_stale_generated_modules_are_removed(book, capsys):
 
 
 def test_init_follows_book_order(book):
-    book.chapter("02_b", [code("b", "#@save\ndef b():\n    return 2")])
-    book.chapter("01_a", [code("a", "#@save\ndef a():\n    return 1")])
-    book.chapter("03_draft", [code("c", "#@save\ndef c():\n    return 3")], in_toc=False)
+    book.chapter("02_b", [code("b", "#@save\ndef fb():\n    return 2")])
+    book.chapter("01_a", [code("a", "#@save\ndef fa():\n    return 1")])
+    book.chapter("03_draft", [code("c", "#@save\ndef fc():\n    return 3")], in_toc=False)
     assert extract.main(book.root) == 0
     init = (book.root / "agentrl" / "__init__.py").read_text()
     assert init.index("from .b import *") < init.index("from .a import *")
     assert "draft" not in init  # chapters not in _toc.yml are not extracted
-    assert run_python(book, "import agentrl as arl; print(arl.a() + arl.b())").strip() == "3"
+    assert run_python(book, "import agentrl as arl; print(arl.fa() + arl.fb())").strip() == "3"
 
 
 def test_sections_of_the_chapter_head_the_module(book):
@@ -233,7 +233,9 @@ def test_save_into_a_module_of_its_own(book):
     book.chapter("02_two", [code("b", "#@save log\ndef encode():\n    return 'L'"),
                             code("c", "#@save\nimport agentrl as arl\n\n"
                                       "def engine():\n    return arl.encode() + 'E'"),
-                            code("d", "#@save log\ndef decode():\n    return 'D'")])
+                            code("d", "#@save log\ndef decode():\n    return 'D'"),
+                            # saves nothing: neither claims a module nor moves one
+                            code("x", "#@save\nprint('run, not saved')")])
     assert extract.main(book.root) == 0
     log = module(book, "log")
     assert "chapters/02_two/en.ipynb" in log and "def encode" in log and "def decode" in log
@@ -246,6 +248,13 @@ def test_save_into_a_module_of_its_own(book):
     book.chapter("03_three", [code("e", "#@save log\ndef g():\n    return 3")])
     with pytest.raises(ToolError, match=r"module 'log' belongs to chapters/02_two"):
         extract.generate(book.root)
-    book.chapter("03_three", [code("e", "#@save class\ndef g():\n    return 3")])
-    with pytest.raises(ToolError, match=r"'class' is not a module name"):
+    for bad, why in (("class", "'class' is not a module name"),
+                     ("_private", "'_private' is not a module name"),
+                     ("one", "'one' is the slug of another chapter"),
+                     ("f", "module 'f' would share its name with a saved name")):
+        book.chapter("03_three", [code("e", f"#@save {bad}\ndef g():\n    return 3")])
+        with pytest.raises(ToolError, match=why):
+            extract.generate(book.root)
+    book.chapter("03_three", [code("e", "#@save\ndef log():\n    return 3")])
+    with pytest.raises(ToolError, match="'log' is also the name of a module"):
         extract.generate(book.root)

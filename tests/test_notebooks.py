@@ -104,3 +104,22 @@ def test_landing_page_lists_exactly_the_written_chapters(page, lang):
     on_disk = {str(p.relative_to(REPO)) for p in NOTEBOOKS if p.stem == lang}
     assert linked == on_disk, (f"not linked: {sorted(on_disk - linked)}; "
                                f"missing: {sorted(linked - on_disk)}")
+
+
+# A chapter's overview, its summary and its exercises are its only unnumbered sections.
+UNNUMBERED_SECTIONS = {"Summary", "Exercises", "小结", "练习", "Where the bytes are",
+                       "字节都花在哪里"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_sections_follow_one_numbering_scheme(path):
+    """Every section of chapter N is `## N.M Title`, M = 1, 2, ... in order (both
+    languages): one scheme across the book, so that "section 14.4" means one place."""
+    chapter = int(path.parent.name[:2])
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    headings = [line for c in nb["cells"] if c["cell_type"] == "markdown"
+                for line in "".join(c["source"]).splitlines() if line.startswith("## ")]
+    numbered = [h for h in headings if h[3:].strip() not in UNNUMBERED_SECTIONS]
+    wanted = [f"## {chapter}.{m} " for m in range(1, len(numbered) + 1)]
+    assert [h[:len(w)] for h, w in zip(numbered, wanted)] == wanted, numbered
+    assert not any(re.match(r"## \d", h) for h in headings if h not in numbered)

@@ -164,3 +164,29 @@ def test_check_catches_line_breaks_inside_chinese_text_and_join_fixes_them(book,
 def test_cjk_breaks_counts_only_prose_newlines_between_cjk(text, breaks):
     assert sync.cjk_breaks(text) == breaks
     assert sync.cjk_breaks(sync.join_cjk_breaks(text)) == 0
+
+
+def test_check_refuses_indented_breaks_inside_chinese_text_and_join_fixes_them(book, capsys):
+    # A list item's continuation line is indented: the newline and the indentation show as a
+    # space between the two Chinese characters, as an unindented break does.
+    broken = "- 第一项的第一行，\n  缩进的续行。\n- 第二项，\n\t制表符缩进。\n\n1. 编号项，\n   续行。"
+    edit(book.folder / "zh.ipynb", "prose", source=broken)
+    rc, err = check(book, capsys)
+    assert rc == 1 and "chapters/01_introduction/zh.ipynb: cell prose: 3 line break(s)" in err
+    assert sync.main(book.root, join_cjk=True) == 0
+    joined = next(c for c in read_nb(book.folder / "zh.ipynb").cells if c.id == "prose")
+    assert joined.source == "- 第一项的第一行，缩进的续行。\n- 第二项，制表符缩进。\n\n1. 编号项，续行。"
+    assert check(book, capsys) == (0, "")
+
+
+@pytest.mark.parametrize("text, breaks", [
+    ("中文\n  中文", 1), ("- 项目，\n  续行", 1), ("1. 项目，\n   续行", 1), ("中文\n\n  中文", 0),
+    ("- 项目\n  - 子项", 0), ("中文\n  `代码`", 0), ("中文 \n  English", 0),
+    # a heading (or table row) ends at its newline: no space shows there
+    ("## 小结\n正文", 0), ("## 小结\n  正文", 0), ("| 表 | 格\n文字", 0),
+])
+def test_cjk_breaks_counts_indented_continuations_too(text, breaks):
+    assert sync.cjk_breaks(text) == breaks
+    assert sync.cjk_breaks(sync.join_cjk_breaks(text)) == 0
+    if breaks:
+        assert "\n" not in sync.join_cjk_breaks(text)

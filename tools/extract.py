@@ -8,8 +8,8 @@ UPPER_CASE constants to the module named after its chapter (`chapters/14_scaling
 `agentrl/scaling.py`); `#@save wal` sends them to `agentrl/wal.py` instead, so that a chapter
 that teaches several subjects keeps each in a file of its own. A module belongs to one chapter;
 a chapter's modules take their place in the book where the chapter completes them (the cell
-that saves into them last), so every module uses only modules placed before it. Every other
-statement stays notebook-only. A public name is saved once:
+that saves into them last), and tests/test_book_order.py checks that every module uses only
+modules placed before it. Every other statement stays notebook-only. A public name is saved once:
 a later chapter extends an earlier one (a subclass, a part passed as an argument) and never
 rebinds its names, so every `arl.<name>` means one thing in every chapter.
 """
@@ -106,10 +106,11 @@ def cell_pieces(source: str, where: str) -> list[Piece]:
 
 
 def check_module_name(name: str, where: str, what: str) -> None:
-    """A module name must be a Python identifier that is not a keyword or `__init__`."""
-    if not name.isidentifier() or keyword.iskeyword(name) or name == "__init__":
-        raise ToolError(f"{where}: {what} {name!r} is not a module name (a chapter extends "
-                        "the package in a module of its own, never redefines)")
+    """A module name must be a Python identifier, not a keyword, and not start with `_`
+    (the package's own names, such as `__init__`, do)."""
+    if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_"):
+        raise ToolError(f"{where}: {what} {name!r} is not a module name: a Python identifier "
+                        "that is not a keyword and does not start with '_'")
 
 
 def notebook_title(nb) -> str:
@@ -214,6 +215,7 @@ def generate(root: Path = ROOT) -> dict[Path, str]:
             print(f"note: {rel(chapter / 'en.ipynb', root)} is not in _toc.yml: not extracted",
                   file=sys.stderr)
     book = []  # (chapter slug, its modules in book order)
+    slugs = {nbtools.chapter_slug(c) for c in chapters}
     module_chapter: dict[str, str] = {}  # module -> the notebook that saves into it
     for chapter in chapters:
         path = chapter / "en.ipynb"
@@ -236,15 +238,28 @@ def generate(root: Path = ROOT) -> dict[Path, str]:
             where = f"{notebook}: cell {index} (id {nbtools.cell_id(cell)})"
             module = flag or slug
             check_module_name(module, where, "`#@save <module>`")
-            owner = module_chapter.setdefault(module, notebook)
+            if module != slug and module in slugs:
+                raise ToolError(f"{where}: {module!r} is the slug of another chapter: name "
+                                "this module otherwise (book_modules reads both)")
+            if module in owners:
+                raise ToolError(f"{where}: module {module!r} would share its name with a saved "
+                                f"name of {owners[module]}: arl.{module} must mean one thing")
+            owner = module_chapter.get(module, notebook)
             if owner != notebook:
                 raise ToolError(f"{where}: module {module!r} belongs to {owner}: a module "
                                 "is saved by one chapter (a later chapter extends, never "
                                 "redefines)")
-            for piece in cell_pieces(cell.source, where):
+            cell_saved = cell_pieces(cell.source, where)
+            if cell_saved:          # an empty saved cell neither claims nor places a module
+                module_chapter[module] = notebook
+                last_cell[module] = index
+            for piece in cell_saved:
                 for name in piece.names:
                     if name.startswith("_"):
                         continue
+                    if name in module_chapter or name in slugs:
+                        raise ToolError(f"{where}: {name!r} is also the name of a module: "
+                                        f"arl.{name} must mean one thing")
                     if name in owners:
                         raise ToolError(
                             f"{where}: {name!r} is already defined by {owners[name]}; a later "
@@ -253,7 +268,6 @@ def generate(root: Path = ROOT) -> dict[Path, str]:
                     owners.setdefault(name, notebook)
                 piece.section = section
                 pieces.setdefault(module, []).append(piece)
-            last_cell[module] = index
         own = sorted(pieces, key=last_cell.get)  # a module's place: where the chapter completes it
         for module in own:
             text = render_module(notebook, notebook_title(nb), pieces[module])

@@ -34,8 +34,11 @@ NOT_PROSE = [
 ]
 MIN_WORDS = 3  # English words (3+ letters) that make an unchanged cell count as untranslated
 # A browser renders a newline inside a paragraph as a space: between two Chinese characters that
-# is a stray gap ("更新函数的 更新"), so Chinese prose keeps each paragraph on one line.
-CJK_BREAK = re.compile(f"(?<={CJK_RE.pattern})\n(?={CJK_RE.pattern})")
+# is a stray gap ("更新函数的 更新"), so Chinese prose keeps each paragraph on one line. The same
+# holds for the indented continuation line of a list item ("\n  " between two Chinese characters).
+CJK_BREAK = re.compile(f"(?<={CJK_RE.pattern})\n[ \t]*(?={CJK_RE.pattern})")
+# A line that ends its own block (a heading, a table row): the newline after it is no space.
+BLOCK_LINE = re.compile(r" {0,3}(#{1,6}[ \t]|\|)")
 # Where a newline is not prose: fenced code and directives, display math.
 VERBATIM = re.compile(r"```.*?```|~~~.*?~~~|\$\$.*?\$\$", re.S)
 
@@ -62,15 +65,30 @@ def _prose_pieces(text: str) -> list[tuple[bool, str]]:
     return pieces + [(True, text[pos:])]
 
 
+def _soft_breaks(piece: str) -> list[re.Match]:
+    """The newlines (with the next line's indentation) of a prose piece that stand between two
+    CJK characters inside a paragraph or list item, where a browser shows them as a space."""
+    return [m for m in CJK_BREAK.finditer(piece)
+            if not BLOCK_LINE.match(piece, piece.rfind("\n", 0, m.start()) + 1)]
+
+
 def cjk_breaks(text: str) -> int:
-    """How many newlines of `text`'s prose stand between two CJK characters."""
-    return sum(len(CJK_BREAK.findall(piece)) for prose, piece in _prose_pieces(text) if prose)
+    """How many newlines of `text`'s prose stand between two CJK characters (indented or not)."""
+    return sum(len(_soft_breaks(piece)) for prose, piece in _prose_pieces(text) if prose)
+
+
+def _join_piece(piece: str) -> str:
+    out, pos = [], 0
+    for m in _soft_breaks(piece):
+        out.append(piece[pos:m.start()])
+        pos = m.end()
+    return "".join(out) + piece[pos:]
 
 
 def join_cjk_breaks(text: str) -> str:
-    """`text` with every newline between two CJK characters of its prose removed."""
-    return "".join(CJK_BREAK.sub("", piece) if prose else piece
-                   for prose, piece in _prose_pieces(text))
+    """`text` with every newline (and the indentation after it) between two CJK characters of its
+    prose removed: the lines of a paragraph or list item become one."""
+    return "".join(_join_piece(piece) if prose else piece for prose, piece in _prose_pieces(text))
 
 
 def copied(cell) -> bool:
@@ -124,7 +142,8 @@ def check_chapter(chapter: Path, root: Path) -> list[str]:
             problems.append(f"{zh_name}: cell {cid}: untranslated (identical to the English cell)")
         elif cjk_breaks(zh_cell.source):
             problems.append(f"{zh_name}: cell {cid}: {cjk_breaks(zh_cell.source)} line break(s) "
-                            "between Chinese characters render as spaces (`--join-cjk` joins them)")
+                            "between Chinese characters (indented or not) render as spaces "
+                            "(`--join-cjk` joins them)")
     for cid, zh_cell in zh_cells.items():
         if cid not in en_cells:
             problems.append(f"{zh_name}: cell {cid}: stale ({zh_cell.cell_type} cell not in en.ipynb)")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import agentrl as arl
 
 
-# -------- 4. A training step: the loader's bytes, and each segment's context
+# -------- 19.4 A training step: the loader's bytes, and each segment's context
 
 def rotate(x, positions):
     """Rotary positions (Su et al. 2021): x [H, T, dh] with each pair (x_i, x_{i+dh/2})

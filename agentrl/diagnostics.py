@@ -10,7 +10,7 @@ import math
 import functools
 
 
-# -------- 1. What to log, and why
+# -------- 13.1 What to log, and why
 
 def _update_rows(batch, advantages, cfg):
     """The rows an update trains on, padded as collate made them -> dict: ids [B, T],
@@ -31,15 +31,15 @@ def _update_logits(model, rows, sel, width, forward):
 
 class Trace(arl.UpdateTerm):
     """A part of chapter 7's rl_update that measures what a dashboard needs and can
-    inject the bugs of chapter 13's gallery, on `rows` from _update_rows.
+    inject the bugs of chapter 13's gallery, on `rows` from traced_update's rows_fn.
 
     It supplies the forward (forward: a part for rows in another layout, such as
-    chapter 14's packed rows), the old
-    log-probs (old_policy: a model whose log-probs serve as the old ones, e.g. a stale
-    copy), the per-token advantages of the rows, and with normalize='micro' weights
-    that give each micro-batch its own token mean divided by the number of
-    micro-batches. Stats it adds, from the first step: loss_expected (minus the token
-    mean of the advantages: the first loss when the ratio is 1), mismatch and
+    chapter 14's packed rows), the old log-probs (old_policy: a model whose log-probs
+    serve as the old ones, e.g. a stale copy), the per-token advantages of the rows,
+    and with normalize='micro' weights that give each micro-batch its own token mean
+    divided by the number of micro-batches. Stats it adds, from the first step:
+    loss_expected (minus the token mean of the advantages: the first loss when the
+    ratio is 1), mismatch and
     mismatch_max (mean and max |old log-prob - sampler log-prob| on policy tokens),
     first_ratio_dev (max |ratio - 1|) and, with ref_model, kl_ref (mean k3 estimate of
     KL(policy || ref_model)).
@@ -135,7 +135,7 @@ def traced_update(model, optimizer, batch, advantages, cfg, ref_model=None,
                          terms=(trace,))
 
 
-# -------- 3. One page per run: `dashboard`
+# -------- 13.3 One page per run: `dashboard`
 
 PANELS = ('reward and pass rate', 'outcome shares', 'zero-advantage share',
           'length', 'entropy', 'KL to the base', 'gradient norm', 'clip fraction',
@@ -247,7 +247,7 @@ def dashboard(history, reference=None, thresholds=None, title=None, ncols=4):
     return fig
 
 
-# -------- 4. Checks whose thresholds come from noise
+# -------- 13.4 Checks whose thresholds come from noise
 
 CHECKS = {
     # name: what a firing check means
@@ -338,7 +338,7 @@ def run_checks(history, thresholds):
     return report
 
 
-# -------- 5. A gallery of bugs
+# -------- 13.5 A gallery of bugs
 
 BUGS = ('micro_normalisation', 'observations_in_loss', 'stale_old_logp', 'lr_x30')
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 
-# -------- The generalised JSD and its two endpoints
+# -------- 15.2 The generalised JSD and its two endpoints
 
 def _check_logits(student_logits, teacher_logits):
     """Shared argument checks of the divergences: two float tensors [..., V] of one
@@ -80,7 +80,7 @@ def generalized_jsd(student_logits, teacher_logits, beta, temperature=1.0):
     return beta * _kl(t, m) + (1 - beta) * _kl(s, m)
 
 
-# -------- One specialist per family
+# -------- 15.3 One specialist per family
 
 # One specialist per family: chapter 7's RL on tasks of that family only, drawn
 # fresh (arl.make_demo_tasks: no train, held-out or ood prompt) and plentiful, so
@@ -145,7 +145,7 @@ def make_teachers(tok, recipe=None, base=None, families=None, with_history=False
     return (teachers, histories) if with_history else teachers
 
 
-# -------- Three per-token estimators at one state
+# -------- 15.4 Three per-token estimators at one state
 
 def token_kl_estimators(student_logits, teacher_logits, n_samples, generator):
     """Per-token estimators of the reverse KL(s || t) at one state, from n_samples
@@ -183,7 +183,7 @@ def token_kl_estimators(student_logits, teacher_logits, n_samples, generator):
                     grads=-log_ratio[:, None] * score))
 
 
-# -------- The distillation loop
+# -------- 15.5 The distillation loop
 
 @dataclass
 class OPDConfig(arl.RLConfig):

@@ -7,7 +7,7 @@ import numbers
 import torch
 
 
-# -------- 3. The divergence without the logits
+# -------- 17.3 The divergence without the logits
 
 def _all_finite(x):
     """True if x holds no NaN or inf. A sum keeps both and needs no tensor the size

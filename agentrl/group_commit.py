@@ -17,7 +17,7 @@ from crc32c import crc32c
 import agentrl as arl
 
 
-# -------- 5. The write-ahead log at a million tokens
+# -------- 19.5 The write-ahead log at a million tokens
 
 _UINT32_MAX = 2**32 - 1
 

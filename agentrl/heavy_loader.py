@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 
-# -------- 2. Dispatch on metadata alone
+# -------- 19.2 Dispatch on metadata alone
 
 def budget_batches(lengths, max_tokens):
     """Chapter 14's token_budget_batches, vectorised -> (order [N], bounds [B + 1]):
@@ -189,7 +189,7 @@ def fill_batch(store, batch, views, members=None):
     return store.counters['heavy_bytes'] - before
 
 
-# -------- 3. One copy per node, released after every step
+# -------- 19.3 One copy per node, released after every step
 
 SMAPS_FIELDS = ('Rss', 'Pss', 'Pss_Anon', 'Pss_File', 'Pss_Shmem')
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import agentrl as arl
 
 
-# -------- Five small helpers
+# -------- 1.2 Five small helpers
 
 def pick_device(prefer_gpu=True):
     """'cuda' when a GPU is present and wanted, else 'cpu'.
@@ -90,7 +90,7 @@ def plot_curves(curves, xlabel='step', ylabel='', title='', ax=None, smooth=1):
     return ax
 
 
-# -------- Threads: why the book runs on one
+# -------- 1.4 Threads: why the book runs on one
 
 TINY_MODEL_THREADS = 1      # the book's models run fastest on one thread (measured)
 
@@ -108,7 +108,7 @@ def set_torch_threads(n=TINY_MODEL_THREADS):
     return previous
 
 
-# -------- Running the book
+# -------- 1.6 Running the book
 
 def timing_record():
     """The book's record of each chapter's wall time on a 2-core CPU, as

@@ -8,7 +8,7 @@ import agentrl as arl
 import dataclasses
 
 
-# -------- 1. Three estimators of one number
+# -------- 9.1 Three estimators of one number
 
 KL_ESTIMATORS = ('k1', 'k2', 'k3')
 
@@ -33,7 +33,7 @@ def kl_estimate(logp, ref_logp, estimator='k3'):
     return torch.expm1(log_r) - log_r
 
 
-# -------- 4. `rl_update` with a reference model
+# -------- 9.4 `rl_update` with a reference model
 
 @dataclass
 class KLConfig(arl.RLConfig):
@@ -148,7 +148,7 @@ class ClipHigher(arl.UpdateTerm):
                                      self.high)
 
 
-# -------- 7. A leash that adapts, and a clip that lets go
+# -------- 9.7 A leash that adapts, and a clip that lets go
 
 class AdaptiveKLController:
     """Ziegler et al. (2019)'s adaptive KL coefficient, as the update_fn of chapter 7's

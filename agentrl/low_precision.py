@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 
-# -------- The formats, bit by bit
+# -------- 16.1 The formats, bit by bit
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # codes 0..7
 
@@ -98,7 +98,7 @@ def e4m3_encode(x):
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-# -------- MX blocks and NVFP4
+# -------- 16.2 MX blocks and NVFP4
 
 class QuantizedTensor:
     """Common interface of the quantised tensors: .shape, .dequantize() -> float32
@@ -275,7 +275,7 @@ def quantize_fp8(x):
                      tuple(x.shape), clipped)
 
 
-# -------- Why FP4 → FP8 can be lossless, and exactly when
+# -------- 16.3 Why FP4 → FP8 can be lossless, and exactly when
 
 def fp4_to_fp8_exact_spread():
     """(shift h, max_spread) of the MXFP4 -> E4M3 cast, derived from the formats.
@@ -345,7 +345,7 @@ def mxfp4_to_fp8(q, tile=128, on_inexact='raise'):
     return FP8Tensor((R, C), values, scales, (tile, tile)), report
 
 
-# -------- A quantised TinyAgent for inference only
+# -------- 16.4 A quantised TinyAgent for inference only
 
 class _RefuseBackward(torch.autograd.Function):
     """Identity in the forward; a backward that raises, saying why."""
@@ -492,7 +492,7 @@ def teacher_forced_kl(reference, model, batch, micro_batch_size=64):
     return torch.cat(out)
 
 
-# -------- The trainer–sampler mismatch of a quantised rollout
+# -------- 16.6 The trainer–sampler mismatch of a quantised rollout
 
 def quantized_sampler(tok, cfg, fmt):
     """A sample_fn for chapter 7's train_rl: each step samples with
@@ -581,7 +581,7 @@ def quantization_aware(model, fmt='mxfp4'):
             parametrize.remove_parametrizations(m, 'weight', leave_parametrized=True)
 
 
-# -------- The FP4 reference and FP4 teachers, in runs
+# -------- 16.7 The FP4 reference and FP4 teachers, in runs
 
 _STORED_KINDS = {cls.__name__: cls for cls in (MXTensor, NVFP4Tensor, FP8Tensor,
                                                _Float32)}

@@ -8,7 +8,7 @@ import torch
 import agentrl as arl
 
 
-# -------- An episode as a decision process
+# -------- 11.1 An episode as a decision process
 
 def episode_turns(traj, tok):
     """Cut an episode into its turns -> list of dicts, in order.
@@ -39,7 +39,7 @@ def episode_turns(traj, tok):
     return turns
 
 
-# -------- Who gets the credit
+# -------- 11.2 Who gets the credit
 
 WASTED = ('malformed', 'off_prompt', 'repeat')     # why a tool call was wasted
 
@@ -155,7 +155,7 @@ def cosine(a, b):
     return float(torch.dot(a, b) / (a.norm() * b.norm()).clamp(min=1e-30))
 
 
-# -------- Observation masking
+# -------- 11.3 Observation masking
 
 def observation_mask(traj):
     """Where an episode's observations are predicted -> [T-1] float mask: 1 at

@@ -8,7 +8,7 @@ import dataclasses
 import math
 
 
-# -------- Importance ratios
+# -------- 8.1 Importance ratios
 
 def importance_ratio(logp, old_logp, mask):
     """Per-token ratio exp(logp - old_logp) on policy tokens, 1 elsewhere.
@@ -22,7 +22,7 @@ def importance_ratio(logp, old_logp, mask):
     return torch.where(mask.bool(), (logp - old_logp).exp(), torch.ones_like(logp))
 
 
-# -------- Several updates per batch: the clipped objective
+# -------- 8.2 Several updates per batch: the clipped objective
 
 def clipped_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2,
                  norm_const=None, weights=None):

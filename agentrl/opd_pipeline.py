@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 
-# -------- 1. One step through four pillars
+# -------- 20.1 One step through four pillars
 
 @dataclass
 class PipelineConfig:
@@ -565,7 +565,7 @@ def train_opd_pipeline_cached(student, teacher_store, tasks, tok, cfg, steps,
                                modules=arl.book_modules('opd_pipeline'))
 
 
-# -------- 3. A crash changes nothing
+# -------- 20.3 A crash changes nothing
 
 def pipeline_main(job_file):
     """A trainer process: the resumable train_opd_pipeline described by job_file
@@ -698,7 +698,7 @@ def train_with_trainer_kills(student, teacher_store, tasks, tok, cfg, steps, wor
     return result['history'], deaths
 
 
-# -------- 7. Where memory and bytes go
+# -------- 20.7 Where memory and bytes go
 
 MXFP4_BITS = 4 + 8 / 32    # an E2M1 element and its share of its block's E8M0 scale
 

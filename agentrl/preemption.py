@@ -13,7 +13,7 @@ from pathlib import Path
 import agentrl as arl
 
 
-# -------- 1. Why not just start interrupted requests again?
+# -------- 18.1 Why not just start interrupted requests again?
 
 def simulate_interruptions(lengths, lam, n_complete, rng, resume):
     """Rollouts interrupted by a Poisson process of rate `lam` per decoded token, until
@@ -66,7 +66,7 @@ def discard_restart_theory(lengths, lam):
     return dict(weights=weights, mean=mean, decoded=decoded, wasted=decoded - mean)
 
 
-# -------- 5. Crash it for real
+# -------- 18.5 Crash it for real
 
 PREEMPTION_MODES = ('resume', 'discard')
 

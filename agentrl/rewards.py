@@ -6,7 +6,7 @@ import re
 import agentrl as arl
 
 
-# -------- What a reward function sees
+# -------- 10.1 What a reward function sees
 
 def parse_episode(traj, tok):
     """What happened in one episode, read from its tokens -> dict.
@@ -40,7 +40,7 @@ def parse_episode(traj, tok):
                 outcome=traj.info.get('outcome'), turns=traj.info.get('turns', 0))
 
 
-# -------- Partial credit and penalties
+# -------- 10.2 Partial credit and penalties
 
 def outcome_reward(ep, task):
     """The environment's own reward: 1.0 for a correct answer, else 0.0."""
@@ -117,7 +117,7 @@ def penalized_reward(ep, task):
     return outcome_reward(ep, task) - FORMAT_PENALTY * bad - LIMIT_PENALTY * limit
 
 
-# -------- Training on a shaped reward
+# -------- 10.3 Training on a shaped reward
 
 def reward_transform(reward_fn, tasks, tok):
     """A transform for train_rl that rescores every sampled episode with
@@ -143,7 +143,7 @@ def reward_transform(reward_fn, tasks, tok):
     return transform
 
 
-# -------- Reward hacking, for real
+# -------- 10.4 Reward hacking, for real
 
 TOOL_BONUS = 0.25       # per tool call: meant to encourage using the tools
 
@@ -167,7 +167,7 @@ def tool_bonus_fixed(ep, task):
     return 1.0 + TOOL_BONUS * min(len(useful), MAX_BONUS_CALLS)
 
 
-# -------- Normalisation: the biases of dividing by length and by the group's spread
+# -------- 10.5 Normalisation: the biases of dividing by length and by the group's sp...
 
 def seq_mean_update(model, optimizer, batch, advantages, cfg, ref_model=None,
                     generator=None):

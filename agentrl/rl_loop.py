@@ -21,7 +21,7 @@ import traceback
 from multiprocessing.connection import wait
 
 
-# -------- The configuration
+# -------- 7.1 The configuration
 
 @dataclass
 class RLConfig(arl.SamplingConfig):
@@ -63,7 +63,7 @@ class RLConfig(arl.SamplingConfig):
         return ()
 
 
-# -------- Sampling a step, and dropping what cannot teach
+# -------- 7.2 Sampling a step, and dropping what cannot teach
 
 def sample_step(model, env_fn, tasks, tok, cfg, generator):
     """Sample cfg.group_size episodes for each of cfg.tasks_per_step random tasks
@@ -84,7 +84,7 @@ def sample_step(model, env_fn, tasks, tok, cfg, generator):
     return kept, sampled
 
 
-# -------- The update: micro-batches that add up
+# -------- 7.3 The update: micro-batches that add up
 
 def token_entropy(logits):
     """Exact entropy of softmax(logits) in nats: logits [..., V] -> [...]."""
@@ -295,7 +295,7 @@ def _micro_step(model, batch, rows, advantages, old_logp, n_tokens, cfg, terms, 
             step['approx_kl'] += (r - 1 - log_r).sum().item()
 
 
-# -------- What the policy does, and the loop
+# -------- 7.4 What the policy does, and the loop
 
 OUTCOMES = ('correct', 'wrong', 'turn_limit', 'token_limit')
 
@@ -650,7 +650,7 @@ def parallel_map(fn, items, workers=None):
     return results
 
 
-# -------- Training
+# -------- 7.5 Training
 
 def seed_paired(a, b, level=0.95, n_boot=2000, seed=0):
     """b - a, paired by seed and by task -> dict(diff, interval, per_seed).

@@ -9,7 +9,7 @@ import contextlib
 import torch.distributed as dist
 
 
-# -------- 2. Packing: many episodes per row, none of them seeing another
+# -------- 14.2 Packing: many episodes per row, none of them seeing another
 
 def pack_sequences(trajs, max_tokens, pad_id=0):
     """Pack trajectories into rows of max_tokens tokens by first-fit decreasing -> dict.
@@ -78,7 +78,7 @@ def packed_logits(model, ids, position_ids, segment_ids):
     return model(ids, position_ids=position_ids, mask=blocked[:, None])
 
 
-# -------- 3. Micro-batches by a token budget
+# -------- 14.3 Micro-batches by a token budget
 
 def token_budget_batches(lengths, max_tokens):
     """Group sequence indices into micro-batches whose padded size (members x longest
@@ -108,7 +108,7 @@ def token_budget_batches(lengths, max_tokens):
     return batches + [current] if current else batches
 
 
-# -------- 4. Never materialise the logits
+# -------- 14.4 Never materialise the logits
 
 def _chunk_log_probs(hidden, weight, ids):
     """One chunk: hidden [B, C, D], weight [V, D], ids [B, C] -> [B, C]; its logits live
@@ -132,7 +132,7 @@ def checkpointed_log_probs(hidden, weight, ids, chunk_size=1024):
     return torch.cat(pieces, dim=1)
 
 
-# -------- 5. Loss normalisation under gradient accumulation
+# -------- 14.5 Loss normalisation under gradient accumulation
 
 @contextlib.contextmanager
 def gloo_group(rank, world_size, init_path):
@@ -182,7 +182,7 @@ def data_parallel_worker(rank, world_size, job_path, init_path):
                 torch.save(grad, f'{job_path}.{normalize}')
 
 
-# -------- 6. A curriculum by pass rate
+# -------- 14.6 A curriculum by pass rate
 
 def filter_by_pass_rate(tasks, pass_rates, low=0.0, high=1.0):
     """The tasks whose estimated pass rate lies strictly between low and high."""
@@ -239,7 +239,7 @@ def train_curriculum(model, tasks, tok, cfg, steps, low=0.0, high=1.0, revisit=1
                         progress=progress, sample_fn=sample_fn)
 
 
-# -------- 9. Leaky packing is a silent off-policy error
+# -------- 14.9 Leaky packing is a silent off-policy error
 
 def packed_update_rows(batch, advantages, cfg):
     """Chapter 13's traced_update rows, packed: the episodes of `batch` (collate's

@@ -434,7 +434,7 @@ def build_tokenizer(tasks):
 @runtime_checkable
 class TokenizerLike(Protocol):
     """What the book's engine asks of a tokenizer (chapters 4-20 take any object
-    with these members; Tokenizer is one, chapter 22's subword tokenizer another):
+    with these members; Tokenizer is one, a subword tokenizer could be another):
     itos: list id -> the text that id writes; stoi: dict text -> id (the markers
     SPECIAL_TOKENS must each be one id); pad_id, bos_id: ints; len(tok): the
     vocabulary size; encode(text) -> list of ids; decode(ids) -> text. The engine

@@ -10,7 +10,7 @@ import time
 import weakref
 
 
-# -------- 2. Hidden states instead of logits
+# -------- 17.2 Hidden states instead of logits
 
 class HiddenBuffer:
     """Central buffer of the teachers' last-layer hidden states, one entry per
@@ -86,7 +86,7 @@ def fill_hidden_buffer(store, trajs, teacher_ids, pad_id, buffer, micro_batch_si
     return len(set(teacher_ids))
 
 
-# -------- 4. One head at a time, in teacher order
+# -------- 17.4 One head at a time, in teacher order
 
 def teacher_order(teacher_ids):
     """Mini-batch order by teacher index: teacher_ids [B] (ints) -> order [B], a
@@ -263,7 +263,7 @@ class HeadScheduler:
         self.close()
 
 
-# -------- 6. Chapter 15's step, through the scheduler
+# -------- 17.6 Chapter 15's step, through the scheduler
 
 def _teacher_groups(teacher_ids, size):
     """Row indices in teacher order, in runs of one teacher, each split into

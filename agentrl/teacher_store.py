@@ -14,7 +14,7 @@ import agentrl as arl
 import math
 
 
-# -------- 1. A store of teachers
+# -------- 17.1 A store of teachers
 
 class TeacherStore:
     """Teachers on disk as safetensors files, one folder each: <root>/<name>/

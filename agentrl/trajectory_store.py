@@ -18,7 +18,7 @@ import torch
 import agentrl as arl
 
 
-# -------- 1. A store with a light side and a heavy side
+# -------- 19.1 A store with a light side and a heavy side
 
 # The heavy per-token fields and their element types (hidden: [T, d] per trajectory),
 # hidden in the store's default dtype, float16.

@@ -11,7 +11,7 @@ from crc32c import crc32c
 from array import array
 
 
-# -------- 2. The log: LevelDB's record format
+# -------- 18.2 The log: LevelDB's record format
 
 # As LevelDB: a record never crosses a 32 KiB block boundary.
 WAL_BLOCK_SIZE = 32 * 1024

@@ -18,7 +18,7 @@ import multiprocessing
 import sys
 
 
-# -------- 3. Sampling that does not notice interruptions
+# -------- 18.3 Sampling that does not notice interruptions
 
 @torch.no_grad()
 def prefill_ragged(model, seqs, capacity):
@@ -62,7 +62,7 @@ def decode_step_ragged(model, cache, lengths, tokens):
     return model(tokens[:, None], cache=cache)[:, 0]                      # [A, V]
 
 
-# -------- 4. The engine
+# -------- 18.4 The engine
 
 class SnapshotMismatch(ValueError):
     """A KV snapshot that is damaged or unreadable: it must not be used."""

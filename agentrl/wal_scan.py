@@ -8,7 +8,7 @@ import agentrl as arl
 import os
 
 
-# -------- 5. The write-ahead log at a million tokens
+# -------- 19.5 The write-ahead log at a million tokens
 
 _CRC_TABLES = {}
 

@@ -36,7 +36,7 @@ from .wal_scan import *  # noqa: F401,F403
 from .group_commit import *  # noqa: F401,F403
 from .opd_pipeline import *  # noqa: F401,F403
 
-__version__ = '0.1.0'
+__version__ = '0.2.0'
 
 # each chapter (its folder's slug) and the modules it saves, in book order
 _BOOK = (

@@ -146,14 +146,24 @@ def test_untranslated_heuristic(text, expected):
     assert sync.untranslated(text) is expected
 
 
-def test_check_catches_line_breaks_inside_chinese_text_and_join_fixes_them(book, capsys):
-    broken = "我们看到这个值是一，\n正如文档所说。\n\n```python\n中\n文\n```\n$$\n中\n文\n$$"
+@pytest.mark.parametrize("broken, breaks, joined", [
+    # an unindented break; code and math are left alone
+    ("我们看到这个值是一，\n正如文档所说。\n\n```python\n中\n文\n```\n$$\n中\n文\n$$", 1,
+     "我们看到这个值是一，正如文档所说。\n\n```python\n中\n文\n```\n$$\n中\n文\n$$"),
+    # a list item's continuation line is indented: the newline and the indentation show as a
+    # space between the two Chinese characters, as an unindented break does
+    ("- 第一项的第一行，\n  缩进的续行。\n- 第二项，\n\t制表符缩进。\n\n1. 编号项，\n   续行。", 3,
+     "- 第一项的第一行，缩进的续行。\n- 第二项，制表符缩进。\n\n1. 编号项，续行。"),
+])
+def test_check_catches_line_breaks_inside_chinese_text_and_join_fixes_them(book, capsys, broken,
+                                                                           breaks, joined):
     edit(book.folder / "zh.ipynb", "prose", source=broken)
     rc, err = check(book, capsys)
-    assert rc == 1 and "cell prose: 1 line break(s) between Chinese characters" in err
+    assert rc == 1 and (f"chapters/01_introduction/zh.ipynb: cell prose: {breaks} line "
+                        "break(s) between Chinese characters") in err
     assert sync.main(book.root, join_cjk=True) == 0
-    joined = next(c for c in read_nb(book.folder / "zh.ipynb").cells if c.id == "prose")
-    assert joined.source == broken.replace("一，\n正", "一，正", 1)   # code and math kept
+    cell = next(c for c in read_nb(book.folder / "zh.ipynb").cells if c.id == "prose")
+    assert cell.source == joined
     assert check(book, capsys) == (0, "")
 
 
@@ -166,17 +176,6 @@ def test_cjk_breaks_counts_only_prose_newlines_between_cjk(text, breaks):
     assert sync.cjk_breaks(sync.join_cjk_breaks(text)) == 0
 
 
-def test_check_refuses_indented_breaks_inside_chinese_text_and_join_fixes_them(book, capsys):
-    # A list item's continuation line is indented: the newline and the indentation show as a
-    # space between the two Chinese characters, as an unindented break does.
-    broken = "- 第一项的第一行，\n  缩进的续行。\n- 第二项，\n\t制表符缩进。\n\n1. 编号项，\n   续行。"
-    edit(book.folder / "zh.ipynb", "prose", source=broken)
-    rc, err = check(book, capsys)
-    assert rc == 1 and "chapters/01_introduction/zh.ipynb: cell prose: 3 line break(s)" in err
-    assert sync.main(book.root, join_cjk=True) == 0
-    joined = next(c for c in read_nb(book.folder / "zh.ipynb").cells if c.id == "prose")
-    assert joined.source == "- 第一项的第一行，缩进的续行。\n- 第二项，制表符缩进。\n\n1. 编号项，续行。"
-    assert check(book, capsys) == (0, "")
 
 
 @pytest.mark.parametrize("text, breaks", [

@@ -38,22 +38,23 @@ def unpaired_interval(before, after, level=0.95, n_boot=2000, seed=0):
 
 # -------- 12.5 Seeds: how much runs disagree, and how many a claim needs
 
-def compare_runs(before, afters, level=0.95, n_boot=2000, seed=0):
+def compare_runs(before, afters, level=0.95):
     """Mean gain of several runs (e.g. seeds) over one evaluation, with an interval
     over runs and tasks -> dict(diff, interval, per_run).
 
     before: an evaluation (arl.evaluate); afters: a list of evaluations of the same
-    tasks, one per run. Chapter 7's seed_paired with `before` paired with every run:
-    each bootstrap sample draws runs with replacement and tasks with replacement
-    within family (Agarwal et al., 2021), so the interval covers the randomness of
-    training as well as that of the tasks and episodes. per_run: each run's mean gain.
+    tasks, one per run (at least 2). Chapter 7's seed_paired with `before` paired
+    with every run: a t interval whose variance counts the spread of the runs and a
+    fresh draw of tasks, so it covers the randomness of training as well as that of
+    the tasks and episodes (section 12.6 measures its coverage). per_run: each run's
+    mean gain.
     """
     if not isinstance(afters, (list, tuple)) or not afters:
         raise ValueError('afters must be a non-empty list of evaluations')
     for i, ev in enumerate(afters):
         if set(ev['per_task']) != set(before['per_task']):
             raise ValueError(f'afters[{i}] evaluates other tasks than before')
-    out = arl.seed_paired([before] * len(afters), list(afters), level, n_boot, seed)
+    out = arl.seed_paired([before] * len(afters), list(afters), level)
     return dict(diff=out['diff'], interval=out['interval'], per_run=out['per_seed'])
 
 
@@ -79,7 +80,7 @@ def seeds_needed(delta, sd, level=0.95, power=0.8):
     return max(2, math.ceil(2 * (z_a + z_b) ** 2 * (sd / delta) ** 2 + z_a ** 2 / 4))
 
 
-# -------- 12.6 Contamination: evaluating on what was trained on
+# -------- 12.7 Contamination: evaluating on what was trained on
 
 def task_overlap(reference, tasks):
     """How many of `tasks` share a prompt, or a (prompt, store) pair, with a task of
@@ -98,7 +99,7 @@ def task_overlap(reference, tasks):
                 pairs=sum((t.prompt, t.store) in pairs for t in tasks), n=len(tasks))
 
 
-# -------- 12.7 A report card
+# -------- 12.8 A report card
 
 REPORT_KEYS = ('per_task', 'family_of', 'correct', 'n')
 

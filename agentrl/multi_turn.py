@@ -210,10 +210,10 @@ def observation_tokens_trained(traj, tok):
     return count
 
 
-def compare_arms(a, b, families=None, level=0.95, n_boot=2000, seed=0):
+def compare_arms(a, b, families=None, level=0.95):
     """Mean pass-rate difference of arm b over arm a, each several runs evaluated on
     the same tasks and paired by seed (a[i] and b[i] trained with the same seed), with
-    chapter 7's seed_paired interval over seeds and tasks -> dict(diff, interval,
+    chapter 7's seed_paired t interval over seeds and tasks -> dict(diff, interval,
     per_run_a, per_run_b).
 
     a, b: non-empty lists of evaluations (arl.evaluate), one per seed. families: only
@@ -236,7 +236,7 @@ def compare_arms(a, b, families=None, level=0.95, n_boot=2000, seed=0):
                     family_of={t: ev['family_of'][t] for t in names})
 
     a, b = [only(ev) for ev in a], [only(ev) for ev in b]
-    out = arl.seed_paired(a, b, level, n_boot, seed)
+    out = arl.seed_paired(a, b, level)
     mean = lambda ev: sum(ev['per_task'].values()) / len(names)
     return dict(diff=out['diff'], interval=out['interval'],
                 per_run_a=[mean(ev) for ev in a], per_run_b=[mean(ev) for ev in b])

@@ -11,7 +11,6 @@ import re
 from pathlib import Path
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import torch

@@ -165,7 +165,7 @@ def test_compare_runs_covers_the_spread_of_runs():
     out = arl.compare_runs(before, afters)
     lo, hi = out['interval']
     assert out['diff'] == pytest.approx(0.5)
-    assert 0.25 <= lo < 0.5 < hi <= 0.75
+    assert lo < 0.25 and 0.75 < hi       # Student's t reaches past the extreme runs
     same = arl.compare_runs(before, [afters[1]] * 3)['interval']
     assert same == pytest.approx((0.5, 0.5))
 
@@ -177,9 +177,7 @@ def test_compare_runs_rejects_bad_input():
     with pytest.raises(ValueError, match=r'afters\[1\]'):
         arl.compare_runs(before, [before, make_eval({'t0': ('a', 1)}, 2)])
     with pytest.raises(ValueError, match='level'):
-        arl.compare_runs(before, [before], level=2)
-    with pytest.raises(ValueError, match='n_boot'):
-        arl.compare_runs(before, [before], n_boot=0)
+        arl.compare_runs(before, [before, before], level=2)
 
 
 # ---------------------------------------------------------------- seed_paired (chapter 7)
@@ -216,13 +214,64 @@ def test_seed_paired_pairs_by_seed_and_is_compare_runs_against_one_evaluation():
     assert lo == pytest.approx(hi)
 
 
-def test_seed_paired_interval_resamples_seeds():
+def test_seed_paired_interval_is_t_over_seeds_when_tasks_move_alike():
     base = make_eval({f't{i}': ('a', 0) for i in range(20)}, 4)
     b = [make_eval({f't{i}': ('a', c) for i in range(20)}, 4) for c in (1, 2, 3)]
-    lo, hi = arl.seed_paired([base] * 3, b)['interval']
-    assert 0.25 <= lo < 0.5 < hi <= 0.75     # every task gains the same within a seed
+    out = arl.seed_paired([base] * 3, b)
+    # every task gains the same within a seed: no task term, Student's t on 2 d.f.
+    half = 4.302652729911275 * (0.25 / 3 ** 0.5)          # t_{0.975, 2} * sd / sqrt(m)
+    assert out['df'] == 2
+    assert out['interval'] == pytest.approx((0.5 - half, 0.5 + half))
     lo, hi = arl.seed_paired(b, b)['interval']
     assert lo == hi == 0.0
+
+
+def test_seed_paired_counts_the_tasks_when_they_respond_differently():
+    gen = random.Random(0)
+    names = [f't{i}' for i in range(40)]
+    fam = {t: 'ab'[i % 2] for i, t in enumerate(names)}
+    effect = {t: gen.choice((-0.5, 0.5)) for t in names}      # the same in every seed
+    ev = lambda shift: dict(per_task={t: effect[t] + shift for t in names},
+                            family_of=fam)
+    base = dict(per_task={t: 0.0 for t in names}, family_of=fam)
+    out = arl.seed_paired([base] * 3, [ev(0.0), ev(0.01), ev(-0.01)])
+    t_seeds = arl.t_interval(out['diff'], 0.01 / 3 ** 0.5, 2)
+    assert out['interval'][1] - out['interval'][0] > 5 * (t_seeds[1] - t_seeds[0])
+    assert out['df'] > 2
+
+
+def test_seed_paired_covers_at_its_level():
+    """Coverage on a small simulated problem: two arms that train equally well, 3
+    seeds, 40 tasks in 4 families, 8 episodes each, a seed spread twice the noise."""
+    gen = torch.Generator().manual_seed(0)
+    reps, m, n_tasks, n = 600, 3, 40, 8
+    p = torch.rand(n_tasks, generator=gen, dtype=torch.float64) * 0.8 + 0.1
+    probs = (p + 0.03 * torch.randn(reps, 2, m, 1, generator=gen, dtype=torch.float64)
+             ).clamp(0, 1)
+    rates = torch.binomial(torch.full_like(probs, float(n)), probs, generator=gen) / n
+    out = arl.paired_t(rates[:, 1] - rates[:, 0], [i % 4 for i in range(n_tasks)])
+    covered = ((out['low'] <= 0) & (0 <= out['high'])).double().mean().item()
+    mc_se = (0.95 * 0.05 / reps) ** 0.5
+    assert abs(covered - 0.95) < 3.5 * mc_se, covered    # 3.5 Monte Carlo SE
+
+
+def test_paired_t_agrees_with_seed_paired_and_rejects_bad_input():
+    gen = torch.Generator().manual_seed(1)
+    d = torch.randn(3, 10, generator=gen, dtype=torch.float64)
+    fam = [i % 2 for i in range(10)]
+    names = [f't{i}' for i in range(10)]
+    zero = dict(per_task={t: 0.0 for t in names}, family_of=dict(zip(names, fam)))
+    evs = [dict(per_task=dict(zip(names, row.tolist())), family_of=zero['family_of'])
+           for row in d]
+    out, batched = arl.seed_paired([zero] * 3, evs), arl.paired_t(d, fam)
+    assert out['interval'] == pytest.approx((batched['low'].item(),
+                                             batched['high'].item()))
+    with pytest.raises(ValueError, match='>= 2 seeds'):
+        arl.paired_t(d[:1], fam)
+    with pytest.raises(ValueError, match='families'):
+        arl.paired_t(d, fam[:3])
+    with pytest.raises(ValueError, match='level'):
+        arl.t_interval(0.0, 1.0, 3, level=0.0)
 
 
 def test_seed_paired_rejects_bad_input():
@@ -231,12 +280,12 @@ def test_seed_paired_rejects_bad_input():
         arl.seed_paired([], [])
     with pytest.raises(ValueError, match='pair them by seed'):
         arl.seed_paired([ev, ev], [ev])
+    with pytest.raises(ValueError, match='>= 2 seeds'):
+        arl.seed_paired([ev], [ev])
     with pytest.raises(ValueError, match='other tasks'):
-        arl.seed_paired([ev], [make_eval({'t0': ('a', 1)}, 2)])
+        arl.seed_paired([ev, ev], [ev, make_eval({'t0': ('a', 1)}, 2)])
     with pytest.raises(ValueError, match='level'):
-        arl.seed_paired([ev], [ev], level=1.0)
-    with pytest.raises(ValueError, match='n_boot'):
-        arl.seed_paired([ev], [ev], n_boot=0)
+        arl.seed_paired([ev, ev], [ev, ev], level=1.0)
 
 
 # ---------------------------------------------------------------- task_overlap

@@ -645,3 +645,20 @@ def test_the_batching_bound_benchmark_records_both_halves(tmp_path):
     assert b['k'] == 2 and min(v for k, v in b.items() if k.endswith('_s')) > 0
     assert abs(b['sample_bound'] - 2 * b['sample_one_s'] / b['sample_batched_s']) < 0.02
     assert abs(b['update_bound'] - b['update_separate_s'] / b['update_batched_s']) < 0.02
+
+
+def test_two_parts_answering_one_hook_raise():
+    class Mine(arl.UpdateTerm):
+        def micro_batches(self, order, size):
+            return [order]
+
+    class Yours(Mine):
+        pass
+
+    from agentrl.rl_loop import _part
+    order = torch.arange(4)
+    assert torch.equal(_part([Mine(), arl.UpdateTerm()], 'micro_batches', order, 2)[0],
+                       order)
+    assert _part([arl.UpdateTerm()], 'micro_batches', order, 2) is None
+    with pytest.raises(ValueError, match="Mine, Yours all answer 'micro_batches'"):
+        _part([Mine(), Yours()], 'micro_batches', order, 2)

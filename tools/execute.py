@@ -8,7 +8,8 @@
     python tools/execute.py --show-timings   # print the timing record, refresh README's table
 
 Each notebook runs in a fresh `python3` kernel whose working directory is the chapter folder,
-with a one-hour limit per cell (CELL_TIMEOUT). The first failing cell stops everything (exit 1).
+with a one-hour limit per cell (CELL_TIMEOUT). The first failing cell stops everything (exit 1),
+unless `--keep-going`: then every cell of every chapter runs and the failures are listed at the end.
 
 `--timing` records each chapter's wall time in `agentrl/timings.json` (committed; package data
 that chapter 1's `chapter_cost` reads): *warm* runs with the
@@ -110,9 +111,11 @@ def coalesce_streams(cell) -> None:
 
 
 def execute_notebook(path: Path, root: Path, write: bool = True,
-                     record: dict | None = None) -> None:
+                     record: dict | None = None, keep_going: bool = False) -> None:
     """Run one notebook top to bottom (in place, unless `write` is False); raise ToolError
-    naming the failing cell. `record` (run_record) is stored in its metadata."""
+    naming the failing cell. `record` (run_record) is stored in its metadata. With
+    `keep_going` the cells after a failing one run too (so their runs reach the cache), the
+    notebook is written with the error shown, and the ToolError names every failing cell."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
@@ -120,6 +123,7 @@ def execute_notebook(path: Path, root: Path, write: bool = True,
     current = {"index": None}
     client = NotebookClient(
         nb, timeout=CELL_TIMEOUT, kernel_name="python3", record_timing=False,
+        allow_errors=keep_going,
         extra_arguments=KERNEL_ARGS, resources={"metadata": {"path": str(path.parent)}},
         on_cell_start=lambda cell, cell_index: current.update(index=cell_index))
     try:
@@ -136,6 +140,10 @@ def execute_notebook(path: Path, root: Path, write: bool = True,
         nb.metadata["agentrl"] = dict(record)
     if write:
         nbtools.write_nb(nb, path)
+    failed = [f"cell {i} (id {nbtools.cell_id(c)})" for i, c in enumerate(nb.cells)
+              if c.cell_type == "code" and any(o.output_type == "error" for o in c.outputs)]
+    if failed:
+        raise ToolError(f"{rel(path, root)}: failed in " + ", ".join(failed))
 
 
 TIMINGS = "agentrl/timings.json"  # package data: chapter 1's chapter_cost reads it
@@ -222,8 +230,8 @@ def load_bundle(bundle: str) -> int:
 
 
 def run_timed(path: Path, root: Path, mode: str | None, write: bool,
-              record: dict | None = None, bundle: str | None = None
-              ) -> tuple[float, set[str], dict]:
+              record: dict | None = None, bundle: str | None = None,
+              keep_going: bool = False) -> tuple[float, set[str], dict]:
     """Execute one notebook; with `mode` 'cold' against an empty cache of its own, with
     'bundle' against an empty cache into which `bundle` is loaded first (timed with it).
     Returns (seconds, names of the artefacts the run added to the cache, extra fields for
@@ -243,7 +251,7 @@ def run_timed(path: Path, root: Path, mode: str | None, write: bool,
             extra = dict(bundle_load_seconds=round(time.perf_counter() - start, 1),
                          bundle_files=files)
         before = cache_listing(cache)
-        execute_notebook(path, root, write=write, record=record)
+        execute_notebook(path, root, write=write, record=record, keep_going=keep_going)
         return time.perf_counter() - start, cache_listing(cache) - before, extra
     finally:
         if tmp:
@@ -255,7 +263,7 @@ def run_timed(path: Path, root: Path, mode: str | None, write: bool,
 
 
 def main(root: Path = ROOT, chapters: list[str] | None = None, timing: str | None = None,
-         write: bool = True, bundle: str | None = None) -> int:
+         write: bool = True, bundle: str | None = None, keep_going: bool = False) -> int:
     """Execute the chosen chapters, print a time table, then sync and extract; return exit code."""
     from tqdm.auto import tqdm
 
@@ -272,7 +280,7 @@ def main(root: Path = ROOT, chapters: list[str] | None = None, timing: str | Non
     except ToolError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    times = []
+    times, failures = [], []
     record = run_record(root) if write else None      # before any notebook is rewritten
     bar = tqdm(folders, desc="notebooks", unit="nb")
     for folder in bar:
@@ -280,11 +288,15 @@ def main(root: Path = ROOT, chapters: list[str] | None = None, timing: str | Non
         bar.set_postfix_str(folder.name)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         try:
-            seconds, built, extra = run_timed(path, root, timing, write, record, bundle)
+            seconds, built, extra = run_timed(path, root, timing, write, record, bundle,
+                                              keep_going)
         except ToolError as e:
-            bar.close()
-            print(f"\nerror: {e}", file=sys.stderr)
-            return 1
+            if not keep_going:
+                bar.close()
+                print(f"\nerror: {e}", file=sys.stderr)
+                return 1
+            failures.append(str(e))
+            continue
         times.append((folder.name, seconds))
         if timing:
             record_timing(root / TIMINGS, folder.name, timing, seconds, built, load, **extra)
@@ -296,6 +308,10 @@ def main(root: Path = ROOT, chapters: list[str] | None = None, timing: str | Non
     print(f"{'total':<{width}}  {sum(s for _, s in times):7.1f}")
     if timing:
         refresh_readme(root)
+    for failure in failures:
+        print(f"error: {failure}", file=sys.stderr)
+    if failures:
+        return 1
     if not write:
         return 0
     code = sync.main(root, chapters=[str(f) for f in folders]) if folders else 0
@@ -314,6 +330,9 @@ if __name__ == "__main__":
                         help="leave the notebooks as they are (for timing runs)")
     parser.add_argument("--show-timings", action="store_true",
                         help=f"print {TIMINGS} as a table and refresh README's copy of it")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="run every cell and chapter past a failure (the runs still reach "
+                        "the cache), write the notebooks with their errors, exit 1 at the end")
     parser.add_argument("--root", type=Path, default=ROOT, help="project root (default: this repo)")
     args = parser.parse_args()
     if args.show_timings:
@@ -321,4 +340,5 @@ if __name__ == "__main__":
         print(timing_table(json.loads(record.read_text())) if record.exists() else "no record")
         refresh_readme(args.root.resolve())
         sys.exit(0)
-    sys.exit(main(args.root, args.chapters, args.timing, not args.no_write, args.bundle))
+    sys.exit(main(args.root, args.chapters, args.timing, not args.no_write, args.bundle,
+                  args.keep_going))

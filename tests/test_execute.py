@@ -117,3 +117,27 @@ def test_provenance_paragraph_in_both_languages():
     assert "提交 abc123" in zh and "2026-12-02" in zh
     assert "predate" in prov.provenance_html(None, "en")
     assert "<script" not in prov.provenance_html(dict(record, commit="<script>"), "en")
+
+
+def test_keep_going_runs_past_a_failing_cell_and_names_it(tmp_path):
+    """--keep-going: the cells after a failure still run (their runs reach the cache), the
+    notebook is written with the error shown, and the ToolError names the failing cell;
+    without it the first failure stops the notebook and nothing is written."""
+    import nbformat
+
+    chapter = tmp_path / "chapters" / "99_demo"
+    chapter.mkdir(parents=True)
+    marker = tmp_path / "ran"
+    cells = [nbformat.v4.new_code_cell("assert 1 == 2"),
+             nbformat.v4.new_code_cell(f"open({str(marker)!r}, 'w').write('x')")]
+    cells[0]["id"], cells[1]["id"] = "fails", "after"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), chapter / "en.ipynb")
+    before = (chapter / "en.ipynb").read_text()
+    with pytest.raises(execute.ToolError, match=r"cell 0 \(id fails\) failed"):
+        execute.execute_notebook(chapter / "en.ipynb", tmp_path)
+    assert not marker.exists() and (chapter / "en.ipynb").read_text() == before
+    with pytest.raises(execute.ToolError, match=r"failed in cell 0 \(id fails\)$"):
+        execute.execute_notebook(chapter / "en.ipynb", tmp_path, keep_going=True)
+    assert marker.read_text() == "x"
+    written = nbformat.read(chapter / "en.ipynb", as_version=4)
+    assert written.cells[0].outputs[0].output_type == "error"

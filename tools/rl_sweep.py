@@ -7,8 +7,10 @@ the runs at the default setting are the chapter's own runs and are shared throug
 every run it records the held-out curve, the final pass rate, greedy pass rate and pass@8, the gain
 over the base with its 95% paired bootstrap interval over tasks (arl.compare_evaluations), the
 per-family rates and the final per-task rates (so that a reader of the file can compare settings task
-by task). The results go to a JSON file (default chapters/07_rl_loop/sweep.json) that chapter 7
-prints.
+by task); each setting's summary pairs its seeds with the base by arl.seed_paired (chapter 7's t
+interval over seeds and tasks). Runs go two at a time, one per core (arl.parallel_map). The results
+go to a JSON file (default chapters/07_rl_loop/sweep.json) that chapter 7 prints; it records the
+code hash of chapters 1-7, and chapter 7 refuses a sweep run on other code.
 
     .venv/bin/python tools/rl_sweep.py                 # the full grid: 6 settings x 4 seeds
     .venv/bin/python tools/rl_sweep.py --steps 4 --seeds 0 --out /tmp/sweep.json   # smoke test
@@ -46,15 +48,6 @@ SETTINGS = {
 EVAL_EVERY, EVAL_N = 20, 16          # as in chapter 7's `train` cell
 
 
-def seed_mean(evals):
-    """Evaluations of the same tasks (one per seed) -> one dict with the seed-mean per_task
-    and greedy_per_task, and family_of: what arl.compare_evaluations needs."""
-    def mean(key):
-        return {k: sum(e[key][k] for e in evals) / len(evals) for k in evals[0][key]}
-    return dict(per_task=mean('per_task'), greedy_per_task=mean('greedy_per_task'),
-                family_of=evals[0]['family_of'])
-
-
 def run(base, tok, train_tasks, heldout_tasks, changes, seed, steps):
     """One (cached) training run -> (the base's evaluation, the run's record)."""
     cfg = arl.RLConfig(seed=seed, **changes)
@@ -82,19 +75,32 @@ def run(base, tok, train_tasks, heldout_tasks, changes, seed, steps):
 
 
 def summarise(runs, base_eval):
-    """A setting's seeds: mean and spread of their gains, and the gain of their seed-mean
-    per-task rates over the base with its paired 95% interval."""
+    """A setting's seeds: mean and spread of their gains, and their gain over the base paired
+    by seed and task (arl.seed_paired: 95% t interval over seeds and tasks; with one seed,
+    arl.compare_evaluations over tasks) for the pass rate, the greedy pass rate and each
+    family."""
     gains = torch.tensor([r['gain'] for r in runs], dtype=torch.float64)
-    mean = seed_mean([dict(per_task=r['final_per_task'],
-                           greedy_per_task=r['final_greedy_per_task'],
-                           family_of=base_eval['family_of']) for r in runs])
-    cmp = arl.compare_evaluations(base_eval, mean)
-    return dict(mean_gain=gains.mean().item(), mean_gain_interval=cmp['interval'],
+    family_of = base_eval['family_of']
+
+    def gain(key, base_key, family=None):
+        names = [t for t in base_eval[base_key] if family in (None, family_of[t])]
+        pick = lambda rates: dict(per_task={t: rates[t] for t in names},
+                                  family_of={t: family_of[t] for t in names})
+        base, finals = pick(base_eval[base_key]), [pick(r[key]) for r in runs]
+        if len(runs) == 1:
+            c = arl.compare_evaluations(base, finals[0])
+        else:
+            c = arl.seed_paired([base] * len(runs), finals)
+        return dict(diff=c['diff'], interval=c['interval'])
+
+    overall = gain('final_per_task', 'per_task')
+    greedy = gain('final_greedy_per_task', 'greedy_per_task')
+    return dict(mean_gain=gains.mean().item(), mean_gain_interval=overall['interval'],
                 seed_std=gains.std().item() if len(gains) > 1 else float('nan'),
                 min_gain=gains.min().item(), max_gain=gains.max().item(),
-                greedy_gain=cmp['greedy_diff'], greedy_gain_interval=cmp['greedy_interval'],
-                family_gain={f: dict(diff=v['diff'], interval=v['interval'])
-                             for f, v in cmp['per_family'].items()})
+                greedy_gain=greedy['diff'], greedy_gain_interval=greedy['interval'],
+                family_gain={f: gain('final_per_task', 'per_task', f)
+                             for f in dict.fromkeys(family_of.values())})
 
 
 def main(argv=None):
@@ -123,11 +129,14 @@ def main(argv=None):
         code_hash=arl.code_hash(), torch=torch.__version__, machine=platform.machine(),
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
         settings={})
+    keys = [(name, seed) for name in args.settings for seed in args.seeds]
+    done = dict(zip(keys, arl.parallel_map(          # one run per core at a time
+        lambda k: run(base, tok, train_tasks, heldout_tasks, SETTINGS[k[0]], k[1],
+                      args.steps), keys)))
     for name in args.settings:
         runs = []
         for seed in args.seeds:
-            first, record = run(base, tok, train_tasks, heldout_tasks, SETTINGS[name], seed,
-                                args.steps)
+            first, record = done[name, seed]
             # the step-0 evaluation is the base with the same random stream in every run
             base_eval = dict(pass_rate=first['pass_rate'], interval=first['interval'],
                              greedy=first['greedy'], pass_at_8=first['pass_at_k'][7],

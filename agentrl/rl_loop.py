@@ -717,7 +717,7 @@ def seed_paired(a, b, level=0.95):
     whose variance counts the spread of the seeds (training) and a fresh draw of the
     tasks. Chapter 12 simulates it on the book's held-out suite: at nominal 95% it
     covers 93-97% with 3, 4, 5 or 8 seeds at every spread of seeds the book sees,
-    where a percentile bootstrap over seeds and tasks covers as little as 79%.
+    where a percentile bootstrap over seeds and tasks covers as little as 74%.
     """
     if not isinstance(a, (list, tuple)) or not isinstance(b, (list, tuple)) or not a:
         raise ValueError('a and b must be non-empty lists of evaluations, one per seed')

@@ -164,7 +164,8 @@ def _draw_panel(ax, panel, history, style, labels=True):
         xs, ys = _panel_series(history, key)
         if log:
             ys = [max(y, floor) for y in ys]
-        ax.plot(xs, ys, label=label if labels else None, **{**style, **kw})
+        dots = dict(marker='o', ms=4) if len(xs) < 3 else {}   # else a lone point hides
+        ax.plot(xs, ys, label=label if labels else None, **{**style, **dots, **kw})
     if panel == 'reward and pass rate':
         line('reward', 'train reward')
         evals = [(r['step'], r['heldout']) for r in history if 'heldout' in r]
@@ -200,7 +201,7 @@ def _draw_panel(ax, panel, history, style, labels=True):
         line(key, log=log)
 
 
-def dashboard(history, reference=None, thresholds=None, title=None, ncols=4):
+def dashboard(history, reference=None, thresholds=None, title=None, ncols=2):
     """One figure with a panel per quantity of PANELS for a train_rl history (logged
     by traced_update) -> matplotlib Figure.
 
@@ -220,7 +221,7 @@ def dashboard(history, reference=None, thresholds=None, title=None, ncols=4):
     if not isinstance(ncols, int) or ncols < 1:
         raise ValueError(f'ncols must be an int >= 1, got {ncols!r}')
     nrows = -(-len(PANELS) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.4 * nrows),
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 2.5 * nrows),
                              squeeze=False)
     for ax, panel in zip(axes.flat, PANELS):
         if reference is not None:
@@ -232,11 +233,11 @@ def dashboard(history, reference=None, thresholds=None, title=None, ncols=4):
         check = _PANEL_CHECK.get(panel)
         if thresholds and check in thresholds:
             ax.axhline(thresholds[check], color='C3', ls=':', lw=1)
-        ax.set_title(panel, fontsize=9)
-        ax.tick_params(which='both', labelsize=7)
+        ax.set_title(panel, fontsize=10)
+        ax.tick_params(which='both', labelsize=8)
         if panel in ('reward and pass rate', 'outcome shares', 'length',
                      'ratio extremes'):
-            ax.legend(fontsize=6)
+            ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(PANELS):]:
         ax.axis('off')
     for ax in axes[-1]:
@@ -258,9 +259,18 @@ CHECKS = {
     'update_kl': 'one update moves the policy too far (KL old -> new)',
     'clip_frac': 'too many tokens clipped in the last epoch',
     'grad_norm': 'gradient norm (before clipping) too large',
-    'heldout_drop': "the held-out pass rate fell: an evaluation's 95% interval lies "
-                    "below the first one's",
+    'heldout_drop': 'the held-out pass rate fell behind the clean runs: its change '
+                    'since the first evaluation (paired by task) lies below theirs',
 }
+
+
+def heldout_changes(history, level=0.95):
+    """Each held-out evaluation after the first against the first -> [(step,
+    chapter 5's compare_evaluations dict)]: the change in pass rate, paired by task,
+    with its `level` interval over tasks (resampled within family)."""
+    evals = [(r['step'], r['heldout']) for r in history if 'heldout' in r]
+    return [(step, arl.compare_evaluations(evals[0][1], e, level))
+            for step, e in evals[1:]]
 
 
 def check_values(history):
@@ -268,18 +278,17 @@ def check_values(history):
 
     history: train_rl's list of records (traced_update's stats; steps without an
     update contribute nothing to the update statistics). heldout_drop: for every
-    evaluation after the first, the first evaluation's interval low minus this one's
-    interval high (above 0: the intervals are disjoint, the pass rate fell)."""
+    evaluation after the first, minus the upper end of heldout_changes' interval
+    (above 0: the pass rate fell since the first evaluation, beyond the noise of
+    evaluating the same tasks twice)."""
     if not isinstance(history, (list, tuple)):
         raise TypeError('history must be a list of dicts, got '
                         f'{type(history).__name__}')
     keys = dict(sampler_mismatch='mismatch', first_ratio='first_ratio_dev',
                 update_kl='approx_kl', clip_frac='clip_frac', grad_norm='grad_norm')
     values = {name: [] for name in CHECKS}
-    evals = [(r['step'], r['heldout']) for r in history if 'heldout' in r]
-    for step, e in evals[1:]:     # how far this interval lies below the first one
-        values['heldout_drop'].append((step, evals[0][1]['interval'][0]
-                                       - e['interval'][1]))
+    values['heldout_drop'] = [(step, -c['interval'][1])
+                              for step, c in heldout_changes(history)]
     for r in history:
         if not r.get('update_tokens'):
             continue
@@ -295,8 +304,11 @@ def check_values(history):
 def calibrate_checks(histories, k=6.0):
     """Thresholds from clean runs -> {name: threshold}: the largest clean value plus
     k standard deviations of the clean values (all steps of all `histories`
-    pooled). heldout_drop's threshold is 0: the evaluations' own intervals carry
-    its noise. A check with no clean values gets no threshold."""
+    pooled). heldout_drop's threshold is the band of the clean runs: minus the
+    lowest lower end of their heldout_changes intervals, so a run fires when the
+    best its own interval allows lies below the worst any clean run's allows (the
+    evaluations' intervals carry their noise; the clean runs, how far a healthy run
+    can lag). A check with no clean values gets no threshold."""
     if not histories or not all(isinstance(h, (list, tuple)) for h in histories):
         raise ValueError('histories must be a non-empty list of histories')
     if not k >= 0:
@@ -308,7 +320,10 @@ def calibrate_checks(histories, k=6.0):
     thresholds = {}
     for name, vals in pooled.items():
         if name == 'heldout_drop':
-            thresholds[name] = 0.0
+            lows = [c['interval'][0] for h in histories
+                    for _, c in heldout_changes(h)]
+            if lows:
+                thresholds[name] = -min(lows)
         elif vals:
             mean = sum(vals) / len(vals)
             var = sum((v - mean) ** 2 for v in vals) / max(len(vals) - 1, 1)
@@ -399,6 +414,7 @@ __all__ = [
     'PANELS',
     'dashboard',
     'CHECKS',
+    'heldout_changes',
     'check_values',
     'calibrate_checks',
     'run_checks',

@@ -158,11 +158,21 @@ def test_inject_bug_hooks():
         arl.inject_bug('typo', cfg)
 
 
-def _history(seed, steps=30, spike=None, last_eval=(0.45, 0.55)):
+def _evaluation(rates):
+    """An evaluate-like result of 40 tasks in two families from per-task rates."""
+    names = [f't{i}' for i in range(len(rates))]
+    mean = sum(rates) / len(rates)
+    return dict(pass_rate=mean, interval=[mean - 0.05, mean + 0.05],
+                per_task=dict(zip(names, rates)),
+                family_of={n: 'ab'[i % 2] for i, n in enumerate(names)})
+
+
+def _history(seed, steps=30, spike=None, gain=0.1):
     """A synthetic clean history: every logged statistic noisy around a healthy
     level, evaluations at the first step, step 10 and the end; spike=(name, step,
-    value) overrides one statistic from `step` on; last_eval: the final
-    evaluation's interval."""
+    value) overrides one statistic from `step` on; gain: the final evaluation's
+    change in every task's pass rate since the first (plus noise; step 10 gains
+    0.05)."""
     rng = random.Random(seed)
     h = []
     for s in range(steps):
@@ -184,10 +194,12 @@ def _history(seed, steps=30, spike=None, last_eval=(0.45, 0.55)):
             else:
                 r[key] = value
         h.append(r)
-    h[0]['heldout'] = dict(pass_rate=0.5, interval=[0.45, 0.55])
-    h[10]['heldout'] = dict(pass_rate=0.52, interval=[0.47, 0.57])
-    h.append(dict(step=steps, heldout=dict(pass_rate=sum(last_eval) / 2,
-                                           interval=list(last_eval))))
+    base = [0.3 + 0.4 * i / 39 for i in range(40)]
+    noisy = lambda g: [min(1.0, max(0.0, p + g + rng.uniform(-0.1, 0.1)))
+                       for p in base]
+    h[0]['heldout'] = _evaluation(base)
+    h[10]['heldout'] = _evaluation(noisy(0.05))
+    h.append(dict(step=steps, heldout=_evaluation(noisy(gain))))
     return h
 
 
@@ -195,8 +207,13 @@ def test_check_values_reads_every_check():
     values = arl.check_values(_history(0))
     assert set(values) == set(arl.CHECKS)
     assert all(len(v) == 30 for n, v in values.items() if n != 'heldout_drop')
-    assert values['heldout_drop'] == [(10, pytest.approx(0.45 - 0.57)),
-                                      (30, pytest.approx(0.45 - 0.55))]
+    h = _history(0)
+    changes = arl.heldout_changes(h)
+    assert [step for step, _ in changes] == [10, 30]
+    first, last = h[0]['heldout'], h[-1]['heldout']
+    assert changes[1][1] == arl.compare_evaluations(first, last)    # paired by task
+    assert values['heldout_drop'] == [(s, -c['interval'][1]) for s, c in changes]
+    assert values['heldout_drop'][1][1] < -0.05        # a gain of 0.1: no drop
     assert values['loss_identity'][0][1] < 1e-8
     with pytest.raises(TypeError, match='history'):
         arl.check_values({'step': 0})
@@ -209,7 +226,10 @@ def test_calibrate_is_max_plus_k_std():
     std = (sum((v - 2.5) ** 2 for v in [1, 2, 3, 4]) / 3) ** 0.5
     assert thr['grad_norm'] == pytest.approx(4 + 2 * std)
     assert thr['loss_identity'] == 0.0                    # exact in every step
-    assert thr['heldout_drop'] == 0.0
+    assert 'heldout_drop' not in thr                      # h has no evaluations
+    clean = [_history(1), _history(2)]
+    lows = [c['interval'][0] for h in clean for _, c in arl.heldout_changes(h)]
+    assert arl.calibrate_checks(clean)['heldout_drop'] == -min(lows)
     with pytest.raises(ValueError, match='histories'):
         arl.calibrate_checks([])
     with pytest.raises(ValueError, match='k'):
@@ -240,14 +260,17 @@ def test_each_check_fires_on_its_signature_and_only_from_its_step(name, key, val
     assert others == [], others
 
 
-def test_heldout_drop_fires_only_on_disjoint_intervals():
-    thresholds = arl.calibrate_checks([_history(1)])
-    overlap = arl.run_checks(_history(3, last_eval=(0.40, 0.46)), thresholds)
-    assert not overlap['heldout_drop']['fired']
-    report = arl.run_checks(_history(3, last_eval=(0.30, 0.40)), thresholds)
+def test_heldout_drop_fires_below_the_clean_band():
+    thresholds = arl.calibrate_checks([_history(1), _history(2)])
+    assert not arl.run_checks(_history(3), thresholds)['heldout_drop']['fired']
+    # the clean runs gained at least 0.05 by step 10 (beyond their noise), so a run
+    # that ends where it started lags behind every one of them: it fires too
+    flat = arl.run_checks(_history(3, gain=0.0), thresholds)['heldout_drop']
+    assert flat['fired'] and flat['first_step'] == 30
+    report = arl.run_checks(_history(3, gain=-0.2), thresholds)
     drop = report['heldout_drop']
     assert drop['fired'] and drop['first_step'] == 30
-    assert report['heldout_drop']['value'] == pytest.approx(0.05)
+    assert drop['value'] > thresholds['heldout_drop']
 
 
 def test_run_checks_rejects_bad_thresholds():

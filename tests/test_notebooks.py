@@ -69,6 +69,40 @@ def test_figure_cells_fold_their_code(path):
     assert not unfolded, f"figure cells without the hide-input tag: {unfolded}"
 
 
+def figure_cells(path):
+    """The code cells whose outputs hold a figure (a PNG image)."""
+    return [c for c in code_cells(path)
+            if any("image/png" in o.get("data", {}) for o in c.get("outputs", []))]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_figure_has_a_caption_and_a_name(path):
+    """MyST-NB numbers a figure and prints its caption from the cell's metadata
+    (mystnb.figure); the Chinese copy's caption is in Chinese (tools/sync.py --check)."""
+    missing = [c.get("id") for c in figure_cells(path)
+               if not c.get("metadata", {}).get("mystnb", {}).get("figure", {}).get("caption")
+               or not c["metadata"]["mystnb"]["figure"].get("name")]
+    assert not missing, f"figures without a caption or a name: {missing}"
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_figure_names_are_unique_across_the_book(lang):
+    names = [c["metadata"]["mystnb"]["figure"]["name"]
+             for path in NOTEBOOKS if path.stem == lang for c in figure_cells(path)
+             if c.get("metadata", {}).get("mystnb", {}).get("figure", {}).get("name")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem == "en"],
+                         ids=lambda p: p.parent.name)
+def test_figures_have_at_most_two_panels_a_row(path):
+    """A row of three panels shrinks to the column until its labels cannot be read."""
+    wide = [c.get("id") for c in code_cells(path)
+            if re.search(r"subplots\(\s*\d+\s*,\s*([3-9]|\d\d)\b|ncols\s*=\s*([3-9]|\d\d)\b",
+                         "".join(c["source"]))]
+    assert not wide, f"figures with more than two panels a row: {wide}"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_setup_cell_installs_only_when_missing_and_sets_one_thread(path):
     setup = code_cells(path)[0]

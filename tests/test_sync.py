@@ -189,3 +189,28 @@ def test_cjk_breaks_counts_indented_continuations_too(text, breaks):
     assert sync.cjk_breaks(sync.join_cjk_breaks(text)) == 0
     if breaks:
         assert "\n" not in sync.join_cjk_breaks(text)
+
+
+def _caption(path, cell_id, caption, name="fig-01-more"):
+    """Give one code cell of a notebook on disk a MyST-NB figure caption."""
+    nb = read_nb(path)
+    for cell in nb.cells:
+        if cell.id == cell_id:
+            cell.metadata["mystnb"] = {"figure": {"caption": caption, "name": name}}
+    write_nb(path, nb.cells)
+
+
+def test_figure_captions_are_translated_and_kept(book, capsys):
+    en, zh = book.folder / "en.ipynb", book.folder / "zh.ipynb"
+    _caption(en, "more", "The value rises by one.")
+    sync.main(book.root)                 # a new caption: zh gets the English one ...
+    rc, err = check(book, capsys)
+    assert rc == 1 and "cell more: figure caption not in Chinese" in err
+    _caption(zh, "more", "数值加一。")     # ... until it is translated
+    assert check(book, capsys) == (0, "")
+    sync.main(book.root)                 # a sync keeps the Chinese caption
+    assert read_nb(zh).cells[4].metadata["mystnb"]["figure"]["caption"] == "数值加一。"
+    assert check(book, capsys) == (0, "")
+    _caption(zh, "more", "数值加一。", name="fig-01-other")  # the rest is copied, checked
+    rc, err = check(book, capsys)
+    assert rc == 1 and "cell more: metadata differ" in err

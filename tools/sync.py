@@ -8,7 +8,8 @@
 Cells are paired by their nbformat 4.5 `id`: `zh.ipynb` has the same cells as `en.ipynb` in the
 same order; code (and raw) cells are copies, markdown cells are translations. The English
 notebook owns the structure, so a Chinese markdown cell must reuse the id of the English cell it
-translates.
+translates. One part of a code cell is translated too: the caption of the figure it draws
+(MyST-NB's cell metadata `mystnb.figure.caption`), which the Chinese copy keeps in Chinese.
 """
 from __future__ import annotations
 
@@ -91,6 +92,30 @@ def join_cjk_breaks(text: str) -> str:
     return "".join(_join_piece(piece) if prose else piece for prose, piece in _prose_pieces(text))
 
 
+def figure_caption(cell) -> str | None:
+    """The caption MyST-NB puts under the figure a code cell draws (None if it has none)."""
+    return cell.get("metadata", {}).get("mystnb", {}).get("figure", {}).get("caption")
+
+
+def _without_caption(metadata: dict) -> dict:
+    """`metadata` with the figure caption, the one part of a code cell that is translated."""
+    metadata = copy.deepcopy(dict(metadata))
+    figure = metadata.get("mystnb", {}).get("figure")
+    if figure is not None:
+        figure.pop("caption", None)
+    return metadata
+
+
+def copy_code_cell(en_cell, zh_cell):
+    """The Chinese copy of an English code cell: everything from English, the figure caption
+    from the old Chinese copy when it has one."""
+    cell = copy.deepcopy(en_cell)
+    zh_caption = figure_caption(zh_cell) if zh_cell is not None else None
+    if zh_caption is not None and figure_caption(cell) is not None:
+        cell.metadata["mystnb"]["figure"]["caption"] = zh_caption
+    return cell
+
+
 def copied(cell) -> bool:
     """Code and raw cells are copied from English; markdown cells are translated."""
     return cell.cell_type != "markdown"
@@ -108,10 +133,12 @@ def index_cells(nb, path: Path, root: Path) -> dict:
 
 def compare(en_cell, zh_cell) -> str:
     """What differs between a copied English cell and its Chinese copy ('' if nothing)."""
-    fields = ["cell_type", "source", "metadata"]
+    fields = ["cell_type", "source"]
     if en_cell.cell_type == "code":
         fields += ["outputs", "execution_count"]
     diff = [f for f in fields if en_cell.get(f) != zh_cell.get(f)]
+    if _without_caption(en_cell.get("metadata", {})) != _without_caption(zh_cell.get("metadata", {})):
+        diff.append("metadata")
     return ", ".join(diff)
 
 
@@ -134,6 +161,9 @@ def check_chapter(chapter: Path, root: Path) -> list[str]:
             diff = compare(en_cell, zh_cell)
             if diff:
                 problems.append(f"{zh_name}: cell {cid}: {diff} differ from en.ipynb")
+            elif figure_caption(en_cell) is not None and not CJK_RE.search(
+                    figure_caption(zh_cell) or ""):
+                problems.append(f"{zh_name}: cell {cid}: figure caption not in Chinese")
         elif zh_cell.cell_type != "markdown":
             problems.append(f"{zh_name}: cell {cid}: is {zh_cell.cell_type}, en has markdown")
         elif TODO in zh_cell.source:
@@ -174,7 +204,7 @@ def sync_chapter(chapter: Path, root: Path, add_missing: bool = False) -> bool:
     for cid, en_cell in en_cells.items():
         zh_cell = zh_cells.get(cid)
         if copied(en_cell):
-            cells.append(copy.deepcopy(en_cell))
+            cells.append(copy_code_cell(en_cell, zh_cell))
         elif zh_cell is not None and zh_cell.cell_type == "markdown":
             cells.append(zh_cell)
         elif add_missing:

@@ -103,6 +103,32 @@ def test_figures_have_at_most_two_panels_a_row(path):
     assert not wide, f"figures with more than two panels a row: {wide}"
 
 
+FOLD_OVER = 40     # lines: a longer saved cell is folded, the page shows prose and results
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_long_saved_cells_are_folded_under_a_line_that_links_their_api(path):
+    """A #@save cell over FOLD_OVER lines carries hide-input, and the markdown cell just
+    before it names every public function and class it saves with a link to the API
+    reference ({py:obj}`~agentrl.module.name`)."""
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    problems = []
+    for before, cell in zip(cells, cells[1:]):
+        source = "".join(cell["source"])
+        if (cell["cell_type"] != "code" or not source.startswith("#@save")
+                or len(source.splitlines()) <= FOLD_OVER):
+            continue
+        if "hide-input" not in cell.get("metadata", {}).get("tags", []):
+            problems.append(f"{cell.get('id')}: not folded (hide-input)")
+        names = [n for n in re.findall(r"^(?:def|class) (\w+)", source, re.M)
+                 if not n.startswith("_")]
+        linked = re.findall(r"\{py:obj\}`~agentrl\.\w+\.(\w+)`", "".join(before["source"]))
+        if before["cell_type"] != "markdown" or not set(names) <= set(linked):
+            problems.append(f"{cell.get('id')}: the cell before does not link "
+                            f"{sorted(set(names) - set(linked))}")
+    assert not problems, problems
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_setup_cell_installs_only_when_missing_and_sets_one_thread(path):
     setup = code_cells(path)[0]

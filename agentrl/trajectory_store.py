@@ -6,7 +6,6 @@ import contextlib
 import json
 import mmap
 import operator
-import os
 import re
 from pathlib import Path
 import numpy as np
@@ -182,21 +181,13 @@ def _exclusive(root, shared=False):
 
 
 def _write_durably(path, write):
-    """Write a file through write(f), under a temporary name unique to this process;
-    fsync it, rename it into place and fsync its folder. Once this returns, the file is
-    on disk whole; a power loss before that leaves at most a stray .tmp file."""
-    path = Path(path)
-    tmp = path.with_name(f'{path.name}.{os.getpid()}.tmp')
-    try:
+    """Write a file through write(f), f the open binary file, with chapter 18's
+    durable_write: once this returns the file is on disk whole; a power loss before
+    that leaves the old file and at most a stray .tmp file."""
+    def to_file(tmp):
         with open(tmp, 'wb') as f:
             write(f)
-            f.flush()
-            os.fsync(f.fileno())           # the bytes, before a name points at them
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    arl.sync_dir(path.parent)                   # the new name (chapter 18)
+    arl.durable_write(path, to_file)
 
 
 def _damage(path, ids, nulls):

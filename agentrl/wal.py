@@ -91,6 +91,27 @@ def sync_dir(path):
         os.close(fd)
 
 
+def durable_write(path, write):
+    """Replace the file `path` whole or not at all, across a power loss too:
+    write(tmp) writes the new file at `tmp`, a name in the same folder unique to this
+    process; it is synced, renamed to `path` and its folder synced. A crash before
+    the rename leaves the old file (and at most a stray .tmp), after it the new one."""
+    path = Path(path)
+    tmp = path.with_name(f'{path.name}.{os.getpid()}.tmp')
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            sync_file(fd)                 # the bytes, before a name points at them
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    sync_dir(path.parent)                 # the new name
+
+
 class WalWriter:
     """Append-only writer of log records under a durability policy.
 
@@ -335,6 +356,7 @@ __all__ = [
     'sync_file',
     'block_padding',
     'sync_dir',
+    'durable_write',
     'WalWriter',
     'scan_log',
     'RequestLog',

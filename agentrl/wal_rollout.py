@@ -80,8 +80,8 @@ def _snapshot_digest(tensors, claims):
 
 
 def save_kv_snapshot(path, cache, lengths, requests, log_offset, job=None):
-    """Save the KV cache rows of the unfinished `requests` (safetensors), atomically:
-    temp file, fsync, rename, fsync of the directory.
+    """Save the KV cache rows of the unfinished `requests` (safetensors), atomically
+    and durably (durable_write: temp file, fsync, rename, fsync of the directory).
 
     The snapshot claims to match the log up to log_offset (it is valid only while the
     log ends exactly there) and the job `job` (a dict, e.g. job_fields(spec)); a crc32c
@@ -97,14 +97,8 @@ def save_kv_snapshot(path, cache, lengths, requests, log_offset, job=None):
                    requests=torch.tensor(requests, dtype=torch.long))
     claims = json.dumps(dict(log_offset=int(log_offset), job=job), sort_keys=True)
     metadata = dict(claims=claims, crc32c=str(_snapshot_digest(tensors, claims)))
-    path = Path(path)
-    tmp = path.with_name(path.name + '.tmp')
-    save_file(tensors, str(tmp), metadata=metadata)
-    fd = os.open(tmp, os.O_RDONLY)
-    arl.sync_file(fd)
-    os.close(fd)
-    os.replace(tmp, path)     # a crash leaves the old state or the whole new snapshot
-    arl.sync_dir(path.parent)  # ... and after a power loss too
+    # a crash, or a power loss, leaves the old state or the whole new snapshot
+    arl.durable_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def load_kv_snapshot(path, model, capacity):
@@ -271,8 +265,8 @@ TINYAGENT_CONFIG = ('vocab_size', 'd_model', 'n_layers', 'n_heads', 'max_len')
 
 def save_rollout_weights(path, model):
     """Save a TinyAgent for RolloutSpec(model=path): its state dict (float32) in a
-    safetensors file, its TINYAGENT_CONFIG as metadata (decimal strings). Atomic:
-    temporary file, rename."""
+    safetensors file, its TINYAGENT_CONFIG as metadata (decimal strings). Atomic and
+    durable (durable_write)."""
     from safetensors.torch import save_file
     if not isinstance(model, arl.TinyAgent) or isinstance(model, arl.QuantizedAgent):
         raise TypeError(f'model must be a TinyAgent, got {type(model).__name__}')
@@ -282,10 +276,8 @@ def save_rollout_weights(path, model):
                   max_len=model.max_len)
     state = {k: v.detach().float().cpu().contiguous()
              for k, v in model.state_dict().items()}
-    path = Path(path)
-    tmp = path.with_name(path.name + '.tmp')
-    save_file(state, str(tmp), metadata={k: str(v) for k, v in config.items()})
-    os.replace(tmp, path)
+    metadata = {k: str(v) for k, v in config.items()}
+    arl.durable_write(path, lambda tmp: save_file(state, str(tmp), metadata=metadata))
 
 
 def load_rollout_weights(path):
@@ -549,9 +541,9 @@ class _JobAdmission(_JobLog):
         if created and spec.policy in ('token', 'step'):   # the folder's own name, too
             arl.sync_dir(workdir.parent)
             self.dir_syncs += 1
-        tmp_path = workdir / 'kv.safetensors.tmp'
-        self.tmp_removed = tmp_path.exists()         # a crash while saving a snapshot
-        if self.tmp_removed:
+        stray = list(workdir.glob('kv.safetensors.*.tmp'))  # a crash while saving
+        self.tmp_removed = bool(stray)                      # a snapshot (durable_write)
+        for tmp_path in stray:
             tmp_path.unlink()
         self.runs_cut = _cut_torn_line(self.runs_path)   # ... while writing runs.jsonl
         _cut_torn_line(workdir / 'acks.txt')             # ... or acks.txt

@@ -196,6 +196,7 @@ def test_item8_append_fsyncs_file_before_rename_and_folder_after(tmp_path, monke
         real_replace(src, dst)
 
     monkeypatch.setattr(os, 'fsync', fsync)
+    monkeypatch.setattr(os, 'fdatasync', fsync)      # files: chapter 18's sync_file
     monkeypatch.setattr(os, 'replace', replace)
     store = arl.TrajectoryStore(tmp_path / 'store', d=D)
     for seed in range(2):                       # the first append and a later one

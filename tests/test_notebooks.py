@@ -103,6 +103,26 @@ def test_figures_have_at_most_two_panels_a_row(path):
     assert not wide, f"figures with more than two panels a row: {wide}"
 
 
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem == "en"],
+                         ids=lambda p: p.parent.name)
+def test_figures_are_png_at_twice_the_pixel_density(path):
+    """tools/execute.py draws figures as 'retina' PNG: twice the pixels of the size
+    they are shown at (the output's width metadata, which MyST-NB puts on the img)."""
+    import base64
+    import struct
+    low = []
+    for cell in figure_cells(path):
+        for out in cell["outputs"]:
+            if "image/png" not in out.get("data", {}):
+                continue
+            png = base64.b64decode(out["data"]["image/png"])
+            pixels = struct.unpack(">I", png[16:20])[0]         # the IHDR width
+            shown = out.get("metadata", {}).get("image/png", {}).get("width")
+            if not shown or pixels < 2 * shown - 1:
+                low.append(f"{cell.get('id')}: {pixels} px shown at {shown}")
+    assert not low, low
+
+
 FOLD_OVER = 40     # lines: a longer saved cell is folded, the page shows prose and results
 
 

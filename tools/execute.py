@@ -49,7 +49,9 @@ LANGUAGE_INFO = {"name": "python", "pygments_lexer": "ipython3"}
 KEEP_METADATA = ("colab", "accelerator", "agentrl")
 CELL_NOISE = ("execution", "ExecuteTime", "collapsed", "scrolled")
 KERNEL_ARGS = [
-    "--InlineBackend.figure_formats=png",  # the book shows PNG figures, never SVG
+    # PNG (never SVG: large, not byte-stable) at twice the pixel density, shown at its
+    # size: crisp on any screen
+    "--InlineBackend.figure_formats=retina",
     "--HistoryManager.enabled=False",      # no sqlite history file shared between runs
     # Without ipywidgets tqdm.auto falls back to a text bar (what the book shows) but warns,
     # with this machine's paths in the message; the warning is noise in committed outputs.

@@ -586,7 +586,8 @@ def test_chinese_search_index_has_chinese_words():
 HEADER = re.compile(r'<header id="pst-header"[^>]*>(.*?)</header>', re.S)
 ARTICLE_HEADER_END = re.compile(r'<div class="header-article-items__end">(.*?)'
                                 r'<div class="article-header-buttons">', re.S)
-MATHJAX_SRC = re.compile(r'<script[^>]*src="([^"]*mathjax/tex-chtml\.js)"')
+# Sphinx may append a cache-busting ?v=<checksum> to the script's address
+MATHJAX_SRC = re.compile(r'<script[^>]*src="([^"?]*mathjax/tex-chtml\.js)(?:\?[^"]*)?"')
 
 
 @built

@@ -76,14 +76,18 @@ class Rollouts:
     restarts (pcfg), each job run from a background thread so that the trainer
     computes while it decodes.
 
-    submit(step, model, tasks, seed) freezes the model's weights into the job's folder
-    (the policy version) and starts the job: cfg.group_size episodes of each task,
-    the tokens of each a function of (seed, request, position) as in sample_groups.
-    collect(step) waits for it -> (trajectories, kills), each trajectory
-    tagged with its policy version (info['weights_hash']). timeline: (step, start,
-    stop) of each job, in time.perf_counter seconds. requests: {step: (task names,
-    seed)} of the jobs submitted and not yet collected (a trainer's checkpoint keeps
-    them); resume(step, tasks, seed) continues such a job of a dead trainer from its
+    submit(step, model, tasks, seed) freezes the model's weights into the job's
+    folder (the policy version, in pcfg.weight_format: an MXFP4 sampler is sent
+    chapter 16's MXFP4 file, not float32 weights to round) and starts the job:
+    cfg.group_size episodes of each task, the tokens of each a function of (seed,
+    request, position) as in sample_groups. collect(step) waits for it ->
+    (trajectories, kills), each trajectory tagged with its policy version
+    (info['weights_hash']). syncs: (step, bytes, seconds) of each weight file
+    written; failures: the steps whose preempted job died unexplained and was
+    finished from its log without further kills. timeline: (step, start, stop) of
+    each job, in time.perf_counter seconds. requests: {step: (task names, seed)} of
+    the jobs submitted and not yet collected (a trainer's checkpoint keeps them);
+    resume(step, tasks, seed) continues such a job of a dead trainer from its
     folder: its frozen weights, and its log (pcfg.preemption 'resume' only).
     """
     def __init__(self, workdir, cfg, pcfg):
@@ -91,6 +95,7 @@ class Rollouts:
         self.index = {t.name: i for i, t in enumerate(arl.make_tasks(pcfg.split))}
         self.env = {f.name: getattr(cfg, f.name) for f in fields(arl.EnvConfig)}
         self.jobs, self.timeline, self.requests = {}, [], {}
+        self.syncs, self.failures = [], []
 
     def spec(self, weights, tasks, seed):
         missing = [t.name for t in tasks if t.name not in self.index]
@@ -112,7 +117,9 @@ class Rollouts:
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         weights = folder / 'policy.safetensors'
-        arl.save_rollout_weights(weights, model)       # the policy version, frozen now
+        start = time.perf_counter()                    # the policy version, frozen now
+        nbytes = arl.save_rollout_weights(weights, model, self.pcfg.weight_format)
+        self.syncs.append((step, nbytes, time.perf_counter() - start))
         spec = self.spec(weights, tasks, seed)
 
         def run():
@@ -127,6 +134,7 @@ class Rollouts:
                 # and a failure of the job itself fails again in _finish
                 if self.pcfg.preemption != 'resume':
                     raise
+                self.failures.append(step)         # recorded: the history counts it
                 return self._finish(folder, spec)
         self._start(step, tasks, seed, run)
 
@@ -169,6 +177,9 @@ class Rollouts:
         self.requests[step] = ([t.name for t in tasks], seed)
 
     def collect(self, step):
+        if step not in self.jobs:
+            raise ValueError(f'step {step} has no rollout job in flight (submitted '
+                             f'and not collected: {sorted(self.jobs)})')
         job = self.jobs.pop(step)
         del self.requests[step]
         job['thread'].join()
@@ -346,8 +357,9 @@ class StoredDistillation(arl.ScheduledDistillation):
     first update, stop_loader() ends it) fills them into shared memory as many ahead
     as loader_memory bytes hold (chapter 19's loader_depth). The teachers' heads still
     come from teacher_store, one resident at a time, the divergence from
-    fused_linear_kl. stats: also heavy_bytes (read by the loader), loader_depth and
-    loader_bytes (the most shared memory it held: depth x the largest mini-batch).
+    fused_linear_kl. stats: also heavy_bytes (read by the loader), loader_depth (of
+    loader_plan mini-batches) and loader_bytes (the most shared memory it held:
+    depth x the largest mini-batch).
     """
     def __init__(self, teacher_store, traj_store, cfg, pad_id, loader_memory=2 ** 20,
                  **kwargs):
@@ -384,12 +396,19 @@ class StoredDistillation(arl.ScheduledDistillation):
                              nbytes=nbytes, dtypes={'hidden': store.dtypes['hidden']}))
         return plan
 
+    def open_loader(self):
+        """The HeavyLoader of this run's store, started on first use (the store
+        holds episodes by then) -> HeavyLoader."""
+        if self.loader is None:
+            self.loader = HeavyLoader(self.traj_store.root, self.traj_store.d)
+        return self.loader
+
     def teacher_hidden(self, dtype):
         plan = self.plan()
         self.depth = min(arl.loader_depth(plan, self.loader_memory), len(plan))
+        self.planned = len(plan)
         self.in_flight = self.depth * max(b['nbytes'] for b in plan)   # bytes, at most
-        if self.loader is None:          # the store holds this update's episodes now
-            self.loader = HeavyLoader(self.traj_store.root, self.traj_store.d)
+        self.open_loader()
         self.read_before = self.loader.bytes_read
         self.loader.start(plan, self.depth)
         self.trunks_read = 0
@@ -397,7 +416,11 @@ class StoredDistillation(arl.ScheduledDistillation):
                             self.buffer_dtype or dtype, self.traj_store.hidden_dtype)
 
     def stats(self, n_tokens):
+        if not hasattr(self, 'read_before'):
+            raise RuntimeError('stats() comes after an update: teacher_hidden() has '
+                               'not planned any hidden states yet')
         return dict(super().stats(n_tokens), loader_depth=self.depth,
+                    loader_plan=self.planned,
                     loader_bytes=self.in_flight,
                     heavy_bytes=self.loader.bytes_read - self.read_before)
 
@@ -416,21 +439,76 @@ def _opd_draws(tasks, cfg, gen):
     return picked, int(torch.randint(0, 2 ** 62, (1,), generator=gen))
 
 
+def load_episodes(loader, rows, infos):
+    """A step's episodes as the trainer trains on them, read back from the store by
+    its loader (one mini-batch of tokens, logp and mask, whole episodes): rows, the
+    episodes' metadata rows (dicts: id, length, reward) in the step's order; infos,
+    each one's light info (task, family, policy version...) -> list of Trajectory
+    (ids [T] int64, action_mask and sample_logp [T-1] float32), info['store_id'] set."""
+    fields = ('tokens', 'logp', 'mask')
+    segments = np.array([[r['id'], 0, r['length']] for r in rows], np.int64)  # [k, 3]
+    tokens = int(segments[:, 2].sum())
+    layout, nbytes = arl.buffer_layout(tokens, fields, arl.HEAVY_DTYPES, 1)
+    batch = dict(segments=segments, tokens=tokens, layout=layout, nbytes=nbytes,
+                 dtypes={f: arl.HEAVY_DTYPES[f] for f in fields})
+    loader.start([batch], 1)
+    got = loader.take()
+    trajs = []
+    for sl, row, info in zip(arl.segment_slices(batch), rows, infos):
+        trajs.append(arl.Trajectory(
+            ids=torch.from_numpy(got['tokens'][sl].astype(np.int64)),
+            action_mask=torch.from_numpy(got['mask'][sl][1:].astype(np.float32)),
+            sample_logp=torch.from_numpy(got['logp'][sl][1:]), reward=row['reward'],
+            info=dict(info, store_id=row['id'])))
+    return trajs
+
+
+class SamplerDrift(arl.UpdateTerm):
+    """An update part that measures staleness: KL(sampler || trainer) at the sampled
+    tokens, before the step, from the sampler's log-probs (the batch's sample_logp)
+    and the trainer's (one forward of `model`, no gradient), by the k3 estimator
+    E[r - 1 - log r], r = pi / mu, which is unbiased and never negative. stats:
+    sampler_kl. It changes nothing in the update."""
+    def __init__(self, model, temperature=1.0):
+        self.model, self.temperature = model, temperature
+
+    @torch.no_grad()
+    def start(self, batch):
+        ids, mask = batch['ids'], batch['action_mask'].bool()            # [B, T-1]
+        logits = self.model(ids)[:, :-1].float() / self.temperature      # [B, T-1, V]
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        log_r = (logp - batch['sample_logp'].float())[mask]
+        self.kl = (log_r.exp() - 1 - log_r).mean().item() if len(log_r) else 0.0
+
+    def stats(self, n_tokens):
+        return dict(sampler_kl=self.kl)
+
+
 class PipelineHooks:
     """train_rl's two hooks for the pipeline: the object itself is the sample_fn
     (submit the rollout jobs `lag` steps ahead, collect this step's, store them with
     their teachers' hidden states, route them), update is the update_fn (chapter 7's
     rl_update with the stored distillation part). Its state, which a trainer's
     checkpoint keeps (state_dict), is each step's policy version and the rollout jobs
-    in flight; load_state_dict resumes those jobs from their folders."""
+    in flight; load_state_dict resumes those jobs from their folders. stage_file: a
+    file that holds the stage the trainer is in ('decode': waiting for the rollout,
+    'teachers', 'update', 'checkpoint': after the update, until the next step), for
+    whoever kills it (None: not written)."""
     def __init__(self, rollouts, traj_store, teacher_store, part, terms, tok, cfg,
-                 lag, steps):
+                 lag, steps, stage_file=None):
         self.rollouts, self.traj_store, self.teacher_store = (rollouts, traj_store,
                                                               teacher_store)
         self.part, self.terms, self.tok, self.cfg = part, terms, tok, cfg
         self.lag, self.steps = lag, steps
         # version: the trainer step whose weights sampled each step's episodes
         self.timeline, self.version, self.now = [], {}, 0
+        self.stage_file = stage_file
+
+    def stage(self, name):
+        if self.stage_file is not None:      # whole or not at all, for a reader
+            tmp = self.stage_file.with_suffix('.tmp')
+            tmp.write_text(name)
+            os.replace(tmp, self.stage_file)
 
     def __call__(self, model, tasks, step, gen):
         self.now, lag = step, self.lag
@@ -438,26 +516,40 @@ class PipelineHooks:
             if ahead < self.steps:                 # sampled by the weights of now
                 self.rollouts.submit(ahead, model, *_opd_draws(tasks, self.cfg, gen))
                 self.version[ahead] = step
+        self.stage('decode')
         start = time.perf_counter()
-        trajs, kills = self.rollouts.collect(step)
+        decoded, kills = self.rollouts.collect(step)
         self.timeline.append(('wait', step, start, time.perf_counter()))
+        self.stage('teachers')
         start = time.perf_counter()
-        ids = store_episodes(self.traj_store, self.teacher_store, trajs,
+        ids = store_episodes(self.traj_store, self.teacher_store, decoded,
                              self.tok.pad_id, self.cfg.micro_batch_size)
         self.traj_store.compact()  # one metadata file: the dispatch reads it every step
-        trajs = [replace(t, info=dict(t.info, store_id=i)) for t, i in zip(trajs, ids)]
         self.timeline.append(('teachers', step, start, time.perf_counter()))
+        # the trainer trains on what the store holds, read back through the loader
+        start = time.perf_counter()
+        meta = {r['id']: r for r in self.traj_store.metadata().to_pylist()}
+        loader = self.part.open_loader()
+        before = loader.bytes_read
+        trajs = load_episodes(loader, [meta[i] for i in ids],
+                              [t.info for t in decoded])
+        self.timeline.append(('read', step, start, time.perf_counter()))
         self.part.route(trajs)
         signals = [k['signal'] for k in kills]
+        _, nbytes, seconds = self.rollouts.syncs[-1]
         extra = dict(on_policy=True, teacher_episodes=0, lag=step - self.version[step],
-                     sigkill=signals.count('SIGKILL'), sigterm=signals.count('SIGTERM'))
+                     sigkill=signals.count('SIGKILL'), sigterm=signals.count('SIGTERM'),
+                     light_bytes=loader.bytes_read - before, sync_bytes=nbytes,
+                     sync_s=seconds, failures=len(self.rollouts.failures))
         return trajs, trajs, extra
 
     def update(self, model, optimizer, batch, advantages, cfg, ref_model, generator):
+        self.stage('update')
         start = time.perf_counter()
         stats = arl.rl_update(model, optimizer, batch, advantages, cfg,
                               terms=self.terms)
         self.timeline.append(('update', self.now, start, time.perf_counter()))
+        self.stage('checkpoint')
         if self.part.loader is not None:        # None until an update reads hidden
             self.timeline.extend(('load', self.now, a, b)
                                  for a, b in self.part.loader.waits)
@@ -481,24 +573,31 @@ def train_opd_pipeline(student, teacher_store, tasks, tok, cfg, steps, workdir,
     chapter 7's train_rl with PipelineHooks -> (history, timeline).
 
     Each step's episodes are decoded by Rollouts (chapter 18's engine in child
-    processes, the weights rounded to pcfg.weight_format as chapter 16 rounds them,
-    killed and resumed at pcfg.kill_rate), pcfg.lag policy versions behind the trainer;
-    store_episodes puts them, with their teachers' hidden states (chapter 17's trunks),
-    into chapter 19's TrajectoryStore in workdir; StoredDistillation dispatches on the
-    metadata and computes chapter 15's loss from the stored hidden states and the
-    teachers' heads, one resident at a time (chapter 17); chapter 7's rl_update
-    takes the step. cfg: chapter 15's OPDConfig (on-policy only: lam = 1, loss 'jsd').
+    processes, sent the weights in pcfg.weight_format, chapter 16's file for MXFP4,
+    killed and resumed at pcfg.kill_rate), pcfg.lag policy versions behind the
+    trainer; store_episodes puts them, with their teachers' hidden states (chapter
+    17's trunks), into chapter 19's TrajectoryStore in workdir; the trainer reads
+    them back through the store's loader (load_episodes: what it trains on is what
+    the store holds); StoredDistillation dispatches on the metadata and computes
+    chapter 15's loss from the stored hidden states and the teachers' heads, one
+    resident at a time (chapter 17); chapter 7's rl_update takes the step. cfg:
+    chapter 15's OPDConfig (on-policy only: lam = 1, loss 'jsd').
     history: train_rl's records with loss, reverse_kl, forward_kl, entropy, the
-    step's kills (sigkill, sigterm), lag (how many versions behind its episodes
-    were), heavy_bytes, loader_depth and loader_bytes. timeline: (stage, step, start,
+    step's kills (sigkill, sigterm), failures (jobs finished without kills so far,
+    Rollouts.failures), lag (how many versions behind its episodes were),
+    sampler_kl (SamplerDrift), sync_bytes and sync_s (the weight file), light_bytes
+    (tokens, logp, mask read back), heavy_bytes, loader_depth of loader_plan and
+    loader_bytes. timeline: (stage, step, start,
     stop) in time.perf_counter seconds, stages 'rollout' (a job, in its thread),
     'wait' (the trainer waiting for it), 'teachers' (the episodes and hidden states
-    into the store, its metadata compacted), 'update' and, inside it, 'load' (the
+    into the store, its metadata compacted), 'read' (the episodes read back),
+    'update' and, inside it, 'load' (the
     trainer waiting for the loader's next micro-batch). parts: more parts for the
     update, after the distillation (e.g. a probe that records the batch).
     resumable: the trainer checkpoints after every step (workdir/trainer.pt, chapter
     7's train_rl checkpoint), and a call on an existing workdir continues from it,
-    the rollout jobs in flight included (pcfg.preemption must be 'resume').
+    the rollout jobs in flight included (pcfg.preemption must be 'resume'); the
+    trainer's stage is kept in workdir/stage (PipelineHooks.stage_file).
     """
     pcfg = PipelineConfig() if pcfg is None else pcfg
     if not isinstance(pcfg, PipelineConfig):
@@ -514,14 +613,19 @@ def train_opd_pipeline(student, teacher_store, tasks, tok, cfg, steps, workdir,
     if workdir.exists() and not (resumable and checkpoint.exists()):
         raise ValueError(f'{workdir} exists: a pipeline run starts in a new folder '
                          '(or continues a resumable run from its checkpoint)')
+    if not teacher_store.names():
+        raise ValueError(f'teacher_store {teacher_store.root} holds no teacher')
     d = teacher_store.head_shape(teacher_store.names()[0])[1]
     traj_store = arl.TrajectoryStore(workdir / 'trajectories', d=d,
                                      hidden_dtype=pcfg.hidden_dtype)
     rollouts = Rollouts(workdir / 'rollouts', cfg, pcfg)
     part = StoredDistillation(teacher_store, traj_store, cfg, tok.pad_id,
                               loader_memory=pcfg.loader_memory)
-    hooks = PipelineHooks(rollouts, traj_store, teacher_store, part, (part, *parts),
-                          tok, cfg, pcfg.lag, steps)
+    if resumable:
+        workdir.mkdir(parents=True, exist_ok=True)
+    terms = (part, SamplerDrift(student, cfg.temperature), *parts)
+    hooks = PipelineHooks(rollouts, traj_store, teacher_store, part, terms, tok, cfg,
+                          pcfg.lag, steps, workdir / 'stage' if resumable else None)
     try:
         history = arl.train_rl(student, tasks, tok, cfg, steps, eval_tasks,
                                eval_every, eval_n, progress=progress, sample_fn=hooks,
@@ -627,12 +731,14 @@ def kill_process_group(pgid):
 def _checkpointed_steps(path, read):
     """How many steps the trainer's checkpoint at path holds (0 if none yet). read:
     the caller's dict, path -> (mtime, steps), so that a file polled every 50 ms is
-    loaded again only when it changed."""
+    opened again only when it changed; memory-mapped, so that only the step is read,
+    not the weights and Adam's moments."""
     if not path.exists():
         return 0
     mtime = path.stat().st_mtime_ns
     if read.get(path, (None,))[0] != mtime:
-        read[path] = mtime, torch.load(path, weights_only=False)['state']['step']
+        state = torch.load(path, weights_only=False, mmap=True)['state']
+        read[path] = mtime, state['step']
     return read[path][1]
 
 
@@ -649,7 +755,9 @@ def train_with_trainer_kills(student, teacher_store, tasks, tok, cfg, steps, wor
     as a step starts), so that it lands before the run's last step ends, most in the
     middle of a step: in a rollout, a
     teachers' pass or an update. deaths: one dict per kill (in_step: the step the
-    trainer was running, i.e. the steps its checkpoint held; delay_s: the delay).
+    trainer was running, i.e. the steps its checkpoint held; stage: what it was doing,
+    from its stage file: 'decode', 'teachers', 'update' or 'checkpoint', 'start-up'
+    before its first step; delay_s: the delay).
     """
     arl.check_int('kills', kills, 0)
     if kills > steps - 2:
@@ -657,6 +765,7 @@ def train_with_trainer_kills(student, teacher_store, tasks, tok, cfg, steps, wor
     workdir = Path(workdir)
     workdir.mkdir(parents=True)
     job_file, checkpoint = workdir / 'job.pt', workdir / 'run' / 'trainer.pt'
+    stage_file = workdir / 'run' / 'stage'
     torch.save(dict(student=student, teachers=str(teacher_store.root), tasks=tasks,
                     tok=tok, cfg=cfg, steps=steps, pcfg=pcfg), job_file)
     rng = np.random.default_rng(seed)
@@ -683,10 +792,12 @@ def train_with_trainer_kills(student, teacher_store, tasks, tok, cfg, steps, wor
             delay = fractions[life] * (step_s or 0.0) / 2   # 0 until a step is timed
             time.sleep(delay)
             if proc.poll() is None:
+                stage = stage_file.read_text() if stage_file.exists() else 'start-up'
                 kill_process_group(proc.pid)
                 proc.wait()
+                stage_file.unlink(missing_ok=True)      # the next life writes its own
                 deaths.append(dict(in_step=_checkpointed_steps(checkpoint, read),
-                                   delay_s=round(delay, 3)))
+                                   stage=stage, delay_s=round(delay, 3)))
                 continue
         if proc.wait(timeout=max(timeout - (time.monotonic() - start), 1)) != 0:
             tail = (workdir / f'trainer-{life}.log').read_text()[-2000:]
@@ -735,23 +846,38 @@ def linear_weights(config):
 
 
 def distill_step_bytes(vocab, d_teacher, n_teachers, tokens, micro_tokens,
-                       chunk_tokens=1024, head_bytes=2, hidden_bytes=2):
+                       chunk_tokens=1024, head_bytes=2, hidden_bytes=2,
+                       stored_tokens=None, top_k=64):
     """What one distillation step holds or moves, by arithmetic -> {quantity: (chapter
     15's loop, this chapter's pipeline)} in bytes.
 
-    teacher heads resident: all n_teachers heads [vocab, d_teacher], against one.
-    logits of a micro-batch: the student's and the teacher's float32 logits for
-    micro_tokens tokens, against fused_linear_kl's slices of chunk_tokens rows.
-    teacher data a step: for `tokens` sampled tokens, the teachers' float32 logits
-    (what shipping them between processes moves), against their hidden states
-    (hidden_bytes a value, as the trajectory store keeps them).
+    teacher heads held: all n_teachers heads [vocab, d_teacher], against two (the
+    resident one and the next, which chapter 17's prefetch stages in host memory;
+    one if there is one teacher). logits of a micro-batch: the student's and the
+    teacher's float32 logits for micro_tokens tokens, against fused_linear_kl's slices
+    of chunk_tokens rows. teacher data a step: for `tokens` sampled tokens, the
+    teachers' float32 logits (what shipping them between processes moves), against
+    the hidden states the store keeps (hidden_bytes a value, stored_tokens rows: the
+    store's rows, default `tokens`). top-k logits instead: the alternative a
+    practitioner ships, top_k (value in hidden_bytes, int32 index) a sampled token,
+    against the same hidden states: fewer bytes when top_k * (hidden_bytes + 4) <
+    d_teacher * hidden_bytes, but not the teacher's whole distribution.
     """
+    for name, value in (('vocab', vocab), ('d_teacher', d_teacher),
+                        ('n_teachers', n_teachers), ('tokens', tokens),
+                        ('micro_tokens', micro_tokens), ('chunk_tokens', chunk_tokens),
+                        ('top_k', top_k)):
+        arl.check_int(name, value, 1)
+    stored_tokens = tokens if stored_tokens is None else stored_tokens
+    arl.check_int('stored_tokens', stored_tokens, tokens)
+    hidden = stored_tokens * d_teacher * hidden_bytes
+    head = vocab * d_teacher * head_bytes
     return {
-        'teacher heads resident': (n_teachers * vocab * d_teacher * head_bytes,
-                                   vocab * d_teacher * head_bytes),
+        'teacher heads held': (n_teachers * head, min(n_teachers, 2) * head),
         'logits of a micro-batch': (2 * micro_tokens * vocab * 4,
                                     2 * min(chunk_tokens, micro_tokens) * vocab * 4),
-        'teacher data a step': (tokens * vocab * 4, tokens * d_teacher * hidden_bytes),
+        'teacher data a step': (tokens * vocab * 4, hidden),
+        f'top-{top_k} logits instead': (tokens * top_k * (hidden_bytes + 4), hidden),
     }
 
 
@@ -762,6 +888,8 @@ __all__ = [
     'HeavyLoader',
     'LoadedHidden',
     'StoredDistillation',
+    'load_episodes',
+    'SamplerDrift',
     'PipelineHooks',
     'train_opd_pipeline',
     'train_opd_pipeline_cached',

@@ -259,17 +259,26 @@ def logged_job(meta):
 
 
 # A weights file is a TinyAgent's state dict in safetensors, with its constructor
-# arguments in the file's metadata (safetensors metadata maps str to str).
+# arguments in the file's metadata (safetensors metadata maps str to str); or, in a
+# format of chapter 16, the file of save_quantized (the stored codes and scales).
 TINYAGENT_CONFIG = ('vocab_size', 'd_model', 'n_layers', 'n_heads', 'max_len')
 
 
-def save_rollout_weights(path, model):
-    """Save a TinyAgent for RolloutSpec(model=path): its state dict (float32) in a
-    safetensors file, its TINYAGENT_CONFIG as metadata (decimal strings). Atomic and
-    durable (durable_write)."""
+def save_rollout_weights(path, model, fmt='float32'):
+    """Save a TinyAgent for RolloutSpec(model=path) -> bytes written. 'float32': its
+    state dict (float32) in a safetensors file, its TINYAGENT_CONFIG as metadata
+    (decimal strings); another of WEIGHT_FORMATS: chapter 16's save_quantized file
+    of quantize_model(model, fmt), what an inference engine is sent (MXFP4: 4.25
+    bits a linear weight). Atomic and durable (durable_write)."""
     from safetensors.torch import save_file
     if not isinstance(model, arl.TinyAgent) or isinstance(model, arl.QuantizedAgent):
         raise TypeError(f'model must be a TinyAgent, got {type(model).__name__}')
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f'fmt must be one of {WEIGHT_FORMATS}, got {fmt!r}')
+    if fmt != 'float32':
+        quantized = arl.quantize_model(model.float(), fmt)
+        arl.durable_write(path, lambda tmp: arl.save_quantized(quantized, str(tmp)))
+        return Path(path).stat().st_size
     attn = model.blocks.layers[0].self_attn
     config = dict(vocab_size=model.vocab_size, d_model=model.tok_emb.embedding_dim,
                   n_layers=len(model.blocks.layers), n_heads=attn.num_heads,
@@ -278,13 +287,49 @@ def save_rollout_weights(path, model):
              for k, v in model.state_dict().items()}
     metadata = {k: str(v) for k, v in config.items()}
     arl.durable_write(path, lambda tmp: save_file(state, str(tmp), metadata=metadata))
+    return Path(path).stat().st_size
+
+
+def weights_file_format(path):
+    """The WEIGHT_FORMATS entry a file of save_rollout_weights holds: its metadata's
+    'fmt' (a save_quantized file), else 'float32'. ValueError if it is unreadable."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework='pt') as f:
+            return (f.metadata() or {}).get('fmt', 'float32')
+    except Exception as e:
+        raise ValueError(f'model: {path} is not a safetensors weights file '
+                         f'({type(e).__name__}: {e})') from e
+
+
+def _dequantized(quantized):
+    """A QuantizedAgent's weights as decoded, in a plain TinyAgent (float32)."""
+    linears = {n for n, m in quantized.named_modules()
+               if isinstance(m, arl.QuantizedLinear)}
+    state = {k: v for k, v in quantized.state_dict().items()
+             if k.rpartition('.')[0] not in linears}
+    for name in linears:                         # its bias, and the decoded weight
+        lin = quantized.get_submodule(name)
+        state[f'{name}.weight'] = lin.weight
+        if lin.bias is not None:
+            state[f'{name}.bias'] = lin.bias
+    attn = quantized.blocks.layers[0].self_attn
+    with torch.random.fork_rng(devices=[]):      # the skeleton's init leaves no trace
+        plain = arl.TinyAgent(quantized.vocab_size, quantized.tok_emb.embedding_dim,
+                              len(quantized.blocks.layers), attn.num_heads,
+                              quantized.max_len)
+    plain.load_state_dict(state)
+    return plain
 
 
 def load_rollout_weights(path):
-    """The TinyAgent in a file of save_rollout_weights (float32, eval mode). Raises
-    ValueError, naming the file, if it cannot be read or holds no TinyAgent."""
+    """The TinyAgent in a file of save_rollout_weights (float32, eval mode; a
+    quantised file's weights as decoded). Raises ValueError, naming the file, if it
+    cannot be read or holds no TinyAgent."""
     from safetensors import safe_open
     try:
+        if weights_file_format(path) != 'float32':
+            return _dequantized(arl.load_quantized(str(path))).eval()
         with safe_open(str(path), framework='pt') as f:
             metadata = f.metadata() or {}
             state = {name: f.get_tensor(name) for name in f.keys()}
@@ -316,8 +361,10 @@ def round_weights(model, fmt):
 
 
 def build_rollout_model(spec, tok):
-    """The model a RolloutSpec names, its weights rounded to spec.weight_format, in
-    eval mode and in spec.dtype."""
+    """The model a RolloutSpec names, its weights rounded to spec.weight_format (or
+    read in it, from a quantised file of save_rollout_weights), in eval mode and in
+    spec.dtype."""
+    stored = 'float32'
     if spec.model == 'rl_base':
         model = arl.make_rl_base(tok, verbose=False)
     elif spec.model == 'random':
@@ -325,6 +372,10 @@ def build_rollout_model(spec, tok):
         model = arl.TinyAgent(len(tok), d_model=32, n_layers=2, n_heads=2,
                               max_len=spec.max_tokens)
     else:
+        stored = weights_file_format(spec.model)
+        if stored not in ('float32', spec.weight_format):
+            raise ValueError(f'model: {spec.model} holds {stored} weights; the spec '
+                             f'asks for weight_format={spec.weight_format!r}')
         model = load_rollout_weights(spec.model)
     if model.vocab_size != len(tok):
         raise ValueError(f'model: {spec.model} has a vocabulary of {model.vocab_size} '
@@ -332,7 +383,8 @@ def build_rollout_model(spec, tok):
     if spec.max_tokens > model.max_len:
         raise ValueError(f'max_tokens={spec.max_tokens} exceeds the model '
                          f'max_len={model.max_len}')
-    model = round_weights(model.float(), spec.weight_format)
+    if stored == 'float32':                  # else: read already in its format
+        model = round_weights(model.float(), spec.weight_format)
     return model.to(getattr(torch, spec.dtype)).eval()
 
 
@@ -875,6 +927,7 @@ __all__ = [
     'logged_job',
     'TINYAGENT_CONFIG',
     'save_rollout_weights',
+    'weights_file_format',
     'load_rollout_weights',
     'round_weights',
     'build_rollout_model',

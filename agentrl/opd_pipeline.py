@@ -535,12 +535,13 @@ class PipelineHooks:
                               [t.info for t in decoded])
         self.timeline.append(('read', step, start, time.perf_counter()))
         self.part.route(trajs)
-        signals = [k['signal'] for k in kills]
+        signals = [k['signal'] for k in kills if k['outcome'] != 'lost']
         _, nbytes, seconds = self.rollouts.syncs[-1]
         extra = dict(on_policy=True, teacher_episodes=0, lag=step - self.version[step],
                      sigkill=signals.count('SIGKILL'), sigterm=signals.count('SIGTERM'),
                      light_bytes=loader.bytes_read - before, sync_bytes=nbytes,
-                     sync_s=seconds, failures=len(self.rollouts.failures))
+                     sync_s=seconds, failures=len(self.rollouts.failures),
+                     lost=len(kills) - len(signals))
         return trajs, trajs, extra
 
     def update(self, model, optimizer, batch, advantages, cfg, ref_model, generator):
@@ -583,10 +584,11 @@ def train_opd_pipeline(student, teacher_store, tasks, tok, cfg, steps, workdir,
     resident at a time (chapter 17); chapter 7's rl_update takes the step. cfg:
     chapter 15's OPDConfig (on-policy only: lam = 1, loss 'jsd').
     history: train_rl's records with loss, reverse_kl, forward_kl, entropy, the
-    step's kills (sigkill, sigterm), failures (jobs finished without kills so far,
-    Rollouts.failures), lag (how many versions behind its episodes were),
-    sampler_kl (SamplerDrift), sync_bytes and sync_s (the weight file), light_bytes
-    (tokens, logp, mask read back), heavy_bytes, loader_depth of loader_plan and
+    step's kills (sigkill, sigterm; lost: processes whose exit status
+    multiprocessing lost, stops too), failures (jobs finished without kills so far,
+    Rollouts.failures), lag (how many versions behind its episodes were), sampler_kl
+    (SamplerDrift), sync_bytes and sync_s (the weight file), light_bytes (tokens,
+    logp, mask read back), heavy_bytes, loader_depth of loader_plan and
     loader_bytes. timeline: (stage, step, start,
     stop) in time.perf_counter seconds, stages 'rollout' (a job, in its thread),
     'wait' (the trainer waiting for it), 'teachers' (the episodes and hidden states
@@ -750,14 +752,14 @@ def train_with_trainer_kills(student, teacher_store, tasks, tok, cfg, steps, wor
     each time until the run ends. Trains `student` in place -> (history, deaths).
 
     Kill k lands once the checkpoint holds the k-th of `kills` distinct steps drawn
-    from 1 .. steps - 2 (seeded), after a further delay drawn uniformly within half
-    the duration of the last step timed (none before one is: the first kill may land
-    as a step starts), so that it lands before the run's last step ends, most in the
-    middle of a step: in a rollout, a
-    teachers' pass or an update. deaths: one dict per kill (in_step: the step the
-    trainer was running, i.e. the steps its checkpoint held; stage: what it was doing,
-    from its stage file: 'decode', 'teachers', 'update' or 'checkpoint', 'start-up'
-    before its first step; delay_s: the delay).
+    from 1 .. steps - 2 (seeded), after a further delay drawn uniformly within the
+    duration of the last step timed (none before one is: the first kill may land as
+    a step starts), so that it lands before the run's last step ends, anywhere in a
+    step: waiting for a rollout, in a teachers' pass, an update or a checkpoint.
+    deaths: one dict per kill (in_step: the step the trainer was running, i.e. the
+    steps its checkpoint held; stage: what it was doing, from its stage file:
+    'decode', 'teachers', 'update' or 'checkpoint', 'start-up' before its first
+    step; delay_s: the delay).
     """
     arl.check_int('kills', kills, 0)
     if kills > steps - 2:
@@ -789,7 +791,7 @@ def train_with_trainer_kills(student, teacher_store, tasks, tok, cfg, steps, wor
                     if since is not None:      # a whole step of this life, no start-up
                         step_s = time.monotonic() - since
                     seen, since = now, time.monotonic()
-            delay = fractions[life] * (step_s or 0.0) / 2   # 0 until a step is timed
+            delay = fractions[life] * (step_s or 0.0)       # 0 until a step is timed
             time.sleep(delay)
             if proc.poll() is None:
                 stage = stage_file.read_text() if stage_file.exists() else 'start-up'

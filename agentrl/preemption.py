@@ -91,10 +91,18 @@ class RolloutFailed(RuntimeError):
         self.exitcode = exitcode
 
 
+# The exit code multiprocessing reports when its fork server lost the child's status
+# (seen when two threads launch rollout processes at once): how the process ended is
+# unknown, and only its log can say what it committed.
+EXIT_STATUS_LOST = 255
+
+
 def _run_until_kill(folder, spec, steps, signal_name, grace_s):
     """Launch the job in `folder`, let its process commit `steps` decoding steps, then
     stop it with signal_name ('SIGTERM': preempt_rollout with grace_s; 'SIGKILL') -> how
-    it ended: 'finished' (before the signal), 'graceful', 'terminated' or 'killed'."""
+    it ended: 'finished' (before the signal), 'graceful', 'terminated', 'killed' or
+    'lost' (EXIT_STATUS_LOST: treated as one more stop, which the log survives).
+    RolloutFailed for any other exit code."""
     acks = Path(folder) / 'acks.txt'
     target = _count_lines(acks) + 1 + steps       # its startup commit, then the steps
     proc = arl.launch_rollout(folder, spec)
@@ -110,6 +118,8 @@ def _run_until_kill(folder, spec, steps, signal_name, grace_s):
         proc.join()
         ends = {0: 'finished', -signal.SIGKILL: 'killed'}
         outcome = ends.get(proc.exitcode, 'failed')
+    if outcome == 'failed' and proc.exitcode == EXIT_STATUS_LOST:
+        return 'lost'
     if outcome == 'failed':
         raise RolloutFailed(folder, proc.exitcode)
     return outcome
@@ -138,6 +148,7 @@ def run_with_preemptions(workdir, spec, rate, seed, mode, *, p_sigterm=0.5,
     trajectories: one per request of spec, in request order (for 'discard', info
     'request' is the request of spec it stands for, 'attempt' the run that decoded it).
     kills: a dict per stop (run, steps, signal, outcome: how the process ended,
+    'lost' when multiprocessing lost its exit status, a stop like the others;
     discarded: requests thrown away, discarded_tokens: what they had decoded by then,
     steps each; both 0 for 'resume').
     """
@@ -199,5 +210,6 @@ __all__ = [
     'PREEMPTION_MODES',
     'decoded_steps',
     'RolloutFailed',
+    'EXIT_STATUS_LOST',
     'run_with_preemptions',
 ]

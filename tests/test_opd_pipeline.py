@@ -4,6 +4,7 @@ teacher hidden states in chapter 19's store, chapter 17's loss, chapter 7's upda
 import copy
 import hashlib
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -75,8 +76,11 @@ def test_the_synchronous_pipeline_is_train_opd(setup, tmp_path):
     flat = lambda ws: torch.cat([w.flatten() for w in ws])
     moved = (flat(probe.weights[-1]) - flat(student.parameters())).norm()
     assert (flat(probe.weights[-1]) - flat(piped_probe.weights[-1])).norm() < 1e-2 * moved
-    assert {stage for stage, *_ in timeline} == {'rollout', 'wait', 'teachers', 'update',
-                                                 'load'}
+    assert {stage for stage, *_ in timeline} == {'rollout', 'wait', 'teachers', 'read',
+                                                 'update', 'load'}
+    # the synchronous float32 sampler is the trainer, to float32 against float64
+    assert all(0 <= r['sampler_kl'] < 1e-8 for r in piped_h[:3])
+    assert all(r['light_bytes'] > 0 and r['sync_bytes'] > 0 for r in piped_h[:3])
     # every episode and its teacher states went to the store, durably, one row each
     meta = arl.TrajectoryStore(tmp_path / 'run' / 'trajectories').metadata()
     assert meta.num_rows == 3 * cfg.tasks_per_step
@@ -292,23 +296,72 @@ def test_a_failed_loader_worker_is_reported(tmp_path):
     assert not list(Path('/dev/shm').glob(f'{loader.name}*'))   # close removed its segment
 
 
-def test_a_trainer_killed_three_times_ends_on_the_unkilled_weights(setup, tmp_path):
-    """The trainer's crash test: a one-step-off run whose trainer process group is SIGKILLed
-    three times (rollout processes preempted too) ends with the weights and losses of the run
-    that was never killed, bit for bit; the run left no shared-memory segment behind."""
-    tok, tasks, _, store, cfg, student = setup
-    changes = dict(lag=1, kill_rate=0.15, fault_seed=1)
-    clean, clean_h, *_ = _pipeline(setup, tmp_path / 'clean', steps=5, **changes)
+def _agent32(seed, vocab):
+    """A tiny TinyAgent whose linear layers MXFP4 can store (32-wide blocks)."""
+    torch.manual_seed(seed)
+    return arl.TinyAgent(vocab, d_model=32, n_layers=1, n_heads=2, max_len=64).eval()
+
+
+@pytest.fixture(scope='module')
+def fp4_setup(setup, tmp_path_factory):
+    """setup's task and config, with d_model 32 agents and their teachers in MXFP4."""
+    tok, tasks, _, _, cfg, _ = setup
+    store = arl.TeacherStore(tmp_path_factory.mktemp('fp4-teachers'))
+    for k, family in enumerate(FAMILIES):
+        store.save(family, _agent32(1 + k, len(tok)), fmt='mxfp4')
+    return tok, tasks, store, cfg, _agent32(0, len(tok))
+
+
+ALL_PILLARS = dict(weight_format='mxfp4', hidden_dtype='bfloat16', lag=1,
+                   loader_memory=2 ** 13, kill_rate=0.3, fault_seed=1)
+
+
+def test_all_four_pillars_with_three_trainer_kills_end_on_the_twin_weights(fp4_setup,
+                                                                           tmp_path):
+    """The chapter's run, tiny: MXFP4 weights sent as an MXFP4 file, MXFP4 teachers, bfloat16
+    hidden states, one step off, a loader budget that binds, rollout processes preempted and
+    the trainer's process group SIGKILLed three times; it ends on the weights and losses of
+    its unkilled twin, bit for bit, while the same kills with the log ignored (discard) end
+    elsewhere. Each kill lands in a recorded stage, after its drawn step; restarts used both
+    the KV snapshot and the log; no shared-memory segment or semaphore is left behind."""
+    tok, tasks, store, cfg, student = fp4_setup
+    steps, kills = 5, 3
+
+    def run(folder, **changes):
+        model = copy.deepcopy(student)
+        hist, _ = arl.train_opd_pipeline(model, store, tasks, tok, cfg, steps, folder,
+                                         arl.PipelineConfig(**{**ALL_PILLARS, **changes}),
+                                         progress=False)
+        return model, hist
+    twin, twin_h = run(tmp_path / 'twin', kill_rate=0.0)
+    ablation, _ = run(tmp_path / 'discard', preemption='discard')
     semaphores = set(Path('/dev/shm').glob('sem.mp-*'))
     killed = copy.deepcopy(student)
     history, deaths = arl.train_with_trainer_kills(
-        killed, store, tasks, tok, cfg, 5, tmp_path / 'killed', arl.PipelineConfig(**changes),
-        kills=3, seed=0)
-    assert len(deaths) == 3 and all(0 <= d['in_step'] <= 5 for d in deaths)
-    for a, b in zip(clean.state_dict().values(), killed.state_dict().values()):
-        assert torch.equal(a, b)
-    assert [r['loss'] for r in history[:5]] == [r['loss'] for r in clean_h[:5]]
-    assert len(list((tmp_path / 'killed').glob('trainer-*.log'))) == 4      # four lives
+        killed, store, tasks, tok, cfg, steps, tmp_path / 'killed',
+        arl.PipelineConfig(**ALL_PILLARS), kills=kills, seed=0)
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                              b.state_dict().values()))
+    assert same(twin, killed) and not same(twin, ablation)
+    assert [r['loss'] for r in history[:steps]] == [r['loss'] for r in twin_h[:steps]]
+    # kill k lands once the checkpoint holds its drawn step, and before the run ends
+    drawn = sorted(np.random.default_rng(0).choice(np.arange(1, steps - 1), kills,
+                                                   replace=False).tolist())
+    assert [d['in_step'] >= at for d, at in zip(deaths, drawn)] == [True] * kills
+    assert all(d['in_step'] <= steps - 1 for d in deaths)
+    assert {d['stage'] for d in deaths} <= {'decode', 'teachers', 'update', 'checkpoint',
+                                            'start-up'}
+    modes = Counter()
+    for job in (tmp_path / 'killed' / 'run' / 'rollouts').glob('step-*/job'):
+        modes.update(r['mode'] for r in arl.read_runs(job) if r.get('run', 0) > 0
+                     and 'mode' in r)
+    assert modes['snapshot'] > 0 and modes['reprefill'] > 0
+    steps_h = [r for r in twin_h if 'loss' in r]
+    assert all(r['loader_bytes'] <= 2 ** 13 for r in steps_h)
+    assert any(r['loader_depth'] < r['loader_plan'] for r in steps_h)     # it binds
+    assert [r['lag'] for r in steps_h] == [0] + [1] * (steps - 1)
+    assert all(r['sampler_kl'] > 0 for r in steps_h)       # MXFP4 and stale: never zero
+    assert len(list((tmp_path / 'killed').glob('trainer-*.log'))) == kills + 1
     root = str((tmp_path / 'killed' / 'run' / 'trajectories').resolve()).encode()
     name = f'arl{hashlib.sha256(root).hexdigest()[:12]}'          # HeavyLoader's segments
     assert not list(Path('/dev/shm').glob(f'{name}*'))    # the dead trainers' ones removed
@@ -319,6 +372,82 @@ def test_a_trainer_killed_three_times_ends_on_the_unkilled_weights(setup, tmp_pa
             break
         time.sleep(0.05)
     assert not leaked
+
+
+def test_the_rollouts_are_sent_an_mxfp4_file_and_sample_what_float32_weights_would(
+        fp4_setup, tmp_path):
+    """weight_format 'mxfp4': the weight file is chapter 16's MXFP4 file (far smaller than
+    float32), and the episodes are those of float32 weights rounded in the rollout process,
+    token for token (the same decoded weights)."""
+    tok, tasks, store, cfg, student = fp4_setup
+    pcfg = arl.PipelineConfig(weight_format='mxfp4')
+    rollouts = arl.Rollouts(tmp_path / 'r', cfg, pcfg)
+    rollouts.submit(0, student, tasks[:2], 5)
+    sent, _ = rollouts.collect(0)
+    _, nbytes, seconds = rollouts.syncs[0]
+    plain = tmp_path / 'plain.safetensors'
+    assert nbytes < 0.6 * arl.save_rollout_weights(plain, student) and seconds > 0
+    assert arl.weights_file_format(tmp_path / 'r' / 'step-00000' / 'policy.safetensors') \
+        == 'mxfp4'
+    spec = rollouts.spec(plain, tasks[:2], 5)
+    arl.run_rollout(tmp_path / 'local', spec)
+    rounded = arl.read_trajectories(tmp_path / 'local')
+    assert [t.ids.tolist() for t in sent] == [t.ids.tolist() for t in rounded]
+    assert {t.info['weights_hash'] for t in sent} == {t.info['weights_hash'] for t in rounded}
+    with pytest.raises(ValueError, match='has no rollout job in flight'):
+        rollouts.collect(0)
+
+
+def test_load_episodes_gives_back_what_the_store_holds(setup, tmp_path):
+    """The trainer's episodes, read back through the loader: tokens, mask and the sampler's
+    log-probs of each episode as stored, its reward from the metadata, its light info."""
+    tok, tasks, _, store, cfg, student = setup
+    trajs = arl.sample_groups(student, lambda: arl.make_env(cfg), tasks[:3], tok, cfg, seed=2)
+    traj_store = arl.TrajectoryStore(tmp_path / 'trajs', d=16, hidden_dtype='bfloat16')
+    ids = arl.store_episodes(traj_store, store, trajs, tok.pad_id)
+    meta = {r['id']: r for r in traj_store.metadata().to_pylist()}
+    loader = arl.HeavyLoader(traj_store.root, traj_store.d)
+    try:
+        back = arl.load_episodes(loader, [meta[i] for i in ids], [t.info for t in trajs])
+    finally:
+        loader.close()
+    for a, b, i in zip(trajs, back, ids):
+        assert torch.equal(a.ids, b.ids) and b.ids.dtype == torch.int64
+        assert torch.equal(a.action_mask, b.action_mask)
+        assert torch.equal(a.sample_logp.float(), b.sample_logp)
+        assert b.reward == pytest.approx(a.reward) and b.info == dict(a.info, store_id=i)
+    assert loader.bytes_read == sum(len(t.ids) * (4 + 4 + 1) for t in trajs)
+
+
+def test_sampler_drift_is_zero_for_the_sampler_and_grows_with_the_distance(setup):
+    tok, tasks, _, _, cfg, student = setup
+    trajs = arl.sample_groups(student, lambda: arl.make_env(cfg), tasks[:3], tok, cfg, seed=1)
+    batch = arl.collate(trajs, tok.pad_id)
+    drift = arl.SamplerDrift(student, cfg.temperature)
+    drift.start(batch)
+    assert 0 <= drift.stats(1)['sampler_kl'] < 1e-9
+    kl = []
+    for scale in (0.01, 0.1):
+        moved = copy.deepcopy(student)
+        with torch.no_grad():
+            for p in moved.parameters():
+                p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+        drift = arl.SamplerDrift(moved, cfg.temperature)
+        drift.start(batch)
+        kl.append(drift.stats(1)['sampler_kl'])
+    assert 0 < kl[0] < kl[1]
+
+
+def test_the_stored_distillation_and_the_pipeline_refuse_odd_states(setup, tmp_path):
+    tok, tasks, _, store, cfg, student = setup
+    part = arl.StoredDistillation(store, arl.TrajectoryStore(tmp_path / 's', d=16), cfg,
+                                  tok.pad_id)
+    with pytest.raises(RuntimeError, match='teacher_hidden'):
+        part.stats(10)
+    empty = arl.TeacherStore(tmp_path / 'no-teachers')
+    with pytest.raises(ValueError, match='holds no teacher'):
+        arl.train_opd_pipeline(copy.deepcopy(student), empty, tasks, tok, cfg, 1,
+                               tmp_path / 'x', progress=False)
 
 
 def test_a_resumable_pipeline_needs_the_log_and_refuses_bad_kill_counts(setup, tmp_path):
@@ -414,3 +543,51 @@ def test_kill_process_group_spares_the_resource_tracker_which_unlinks_the_semaph
         time.sleep(0.05)
     assert not leaked                                   # unlinked by the tracker
     assert not arl.opd_pipeline._group_members(proc.pid)   # which then ended too
+
+
+def test_distill_step_bytes_is_the_arithmetic_it_states():
+    rows = arl.distill_step_bytes(vocab=1000, d_teacher=64, n_teachers=5, tokens=300,
+                                  micro_tokens=2000, chunk_tokens=512, head_bytes=2,
+                                  hidden_bytes=2, stored_tokens=500, top_k=8)
+    assert rows['teacher heads held'] == (5 * 1000 * 64 * 2, 2 * 1000 * 64 * 2)
+    assert rows['logits of a micro-batch'] == (2 * 2000 * 1000 * 4, 2 * 512 * 1000 * 4)
+    assert rows['teacher data a step'] == (300 * 1000 * 4, 500 * 64 * 2)
+    assert rows['top-8 logits instead'] == (300 * 8 * 6, 500 * 64 * 2)
+    one = arl.distill_step_bytes(1000, 64, 1, 300, 100)
+    assert one['teacher heads held'][1] == one['teacher heads held'][0]     # one teacher
+    assert one['logits of a micro-batch'][0] == one['logits of a micro-batch'][1]
+    with pytest.raises(ValueError, match='stored_tokens must be >= 300'):
+        arl.distill_step_bytes(1000, 64, 5, 300, 100, stored_tokens=200)
+    with pytest.raises(TypeError, match='tokens must be an int'):
+        arl.distill_step_bytes(1000, 64, 5, 30.5, 100)
+
+
+def test_linear_weights_counts_the_matrices_a_transformers_model_holds():
+    """Qwen3 and DeepseekV3 at small shapes, built by transformers with random weights: the
+    arithmetic equals the count of their matrices (2-D weights, and the 3-D tensors that pack
+    the routed experts), the MoE router's included, the embeddings not; per_token counts the
+    routed experts one token reaches."""
+    transformers = pytest.importorskip('transformers')
+    qwen = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8,
+                                    tie_word_embeddings=False)
+    deepseek = transformers.DeepseekV3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=6, num_experts_per_tok=2,
+        n_shared_experts=1, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, n_group=2, topk_group=1)
+    for config in (qwen, deepseek):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        count = sum(p.numel() for n, p in model.named_parameters()
+                    if p.ndim >= 2 and 'embed_tokens' not in n)
+        got = arl.linear_weights(config)
+        assert got['total'] == count, config.model_type
+    expert = 3 * 32 * 16
+    full = arl.linear_weights(deepseek)
+    assert full['total'] - full['per_token'] == 2 * (6 - 2) * expert     # 2 MoE layers
+    assert arl.linear_weights(qwen)['per_token'] == arl.linear_weights(qwen)['total']
+    with pytest.raises(ValueError, match='Qwen3 or DeepseekV3'):
+        arl.linear_weights(transformers.LlamaConfig())

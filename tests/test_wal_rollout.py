@@ -740,3 +740,31 @@ def test_a_rollout_process_that_fails_on_its_own_raises_rollout_failed(tmp_path,
         arl.run_with_preemptions(tmp_path / 'job', spec(step_sleep_s=0.0), 0, seed=0,
                                  mode='resume')
     assert failure.value.exitcode == 7 and isinstance(failure.value, RuntimeError)
+
+
+def test_a_quantised_weights_file_is_read_as_the_float32_file_rounded(tmp_path):
+    """save_rollout_weights(fmt='mxfp4') writes chapter 16's file (its codes and scales); the
+    engine reads it as the decoded weights that rounding the float32 file gives, bit for bit,
+    and refuses it for another weight format."""
+    model, tok = small_agent(), arl.build_tokenizer(arl.make_tasks('all'))
+    fp4, fp32 = tmp_path / 'fp4.safetensors', tmp_path / 'fp32.safetensors'
+    small, large = (arl.save_rollout_weights(fp4, model, 'mxfp4'),
+                    arl.save_rollout_weights(fp32, model))
+    assert small == fp4.stat().st_size < large / 2
+    assert (arl.weights_file_format(fp4), arl.weights_file_format(fp32)) == ('mxfp4',
+                                                                           'float32')
+    loaded = arl.load_rollout_weights(fp4)
+    assert type(loaded) is arl.TinyAgent
+    assert arl.model_hash(loaded) == arl.model_hash(arl.round_weights(model, 'mxfp4'))
+    spec = lambda path, fmt: arl.RolloutSpec(seed=0, model=str(path), weight_format=fmt,
+                                             n_tasks=1, max_tokens=40)
+    a, b = (arl.build_rollout_model(spec(fp4, 'mxfp4'), tok),
+            arl.build_rollout_model(spec(fp32, 'mxfp4'), tok))
+    assert arl.model_hash(a) == arl.model_hash(b)
+    with pytest.raises(ValueError, match='holds mxfp4 weights'):
+        arl.build_rollout_model(spec(fp4, 'float32'), tok)
+    with pytest.raises(ValueError, match='fmt must be one of'):
+        arl.save_rollout_weights(fp4, model, 'fp4')
+    (tmp_path / 'junk.safetensors').write_bytes(b'not a file')
+    with pytest.raises(ValueError, match='not a safetensors weights file'):
+        arl.weights_file_format(tmp_path / 'junk.safetensors')

@@ -296,6 +296,31 @@ def test_a_failed_loader_worker_is_reported(tmp_path):
     assert not list(Path('/dev/shm').glob(f'{loader.name}*'))   # close removed its segment
 
 
+
+def test_a_new_loader_removes_only_its_own_stores_segments(tmp_path):
+    """A loader starting on store B removes what a dead loader of B left in /dev/shm, and
+    leaves alone the segments a live loader of store A holds."""
+    a_store, a_ids = _loader_store(tmp_path / 'a', 'float32')
+    b_store, b_ids = _loader_store(tmp_path / 'b', 'float32')
+    a = arl.HeavyLoader(a_store.root, a_store.d)
+    try:
+        a.start(_plan(a_store, [[(a_ids[0], 0, 20)], [(a_ids[1], 0, 20)]]), 2)
+        a.take()                                  # the second segment is still held
+        held = set(Path('/dev/shm').glob(f'{a.name}*'))
+        assert held
+        where = str(Path(b_store.root).resolve()).encode()
+        b_name = f'arl{hashlib.sha256(where).hexdigest()[:12]}'
+        orphan = Path('/dev/shm') / f'{b_name}r7-0'        # as a killed trainer leaves it
+        orphan.write_bytes(b'x')
+        b = arl.HeavyLoader(b_store.root, b_store.d)
+        assert b.name == b_name and not orphan.exists()
+        b.close()
+        assert set(Path('/dev/shm').glob(f'{a.name}*')) == held and a.name != b.name
+        assert np.array_equal(a.take()['hidden'],
+                              a_store.read([a_ids[1]], ['hidden'], [(0, 20)])[0]['hidden'])
+    finally:
+        a.close()
+
 def _agent32(seed, vocab):
     """A tiny TinyAgent whose linear layers MXFP4 can store (32-wide blocks)."""
     torch.manual_seed(seed)

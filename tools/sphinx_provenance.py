@@ -29,12 +29,14 @@ LABELS = {
         "missing": "Outputs on this page predate the run record of tools/execute.py.",
         "other": "This chapter was executed on other package code than the rest of the book "
                  "(most chapters: code {majority}).",
+        "sep": " ",
     },
     "zh": {
         "done": "本页输出由 agentrl {version} 于 {date} 运行生成（提交 {commit}{changes}，代码 {code}）。",
         "changes": "，含未提交的改动",
         "missing": "本页输出早于 tools/execute.py 的运行记录。",
         "other": "本章运行时的包代码与本书其余各章不同（多数章节：代码 {majority}）。",
+        "sep": "",
     },
 }
 SHA = re.compile(r"[0-9a-f]{7,40}")
@@ -74,7 +76,7 @@ def provenance_html(record: dict | None, language: str, repo_url: str = "",
                                      **fields)
         if majority and record.get("code") not in (None, "unknown") and \
                 record["code"] != majority:
-            text += (' <strong class="provenance-other-code">'
+            text += (labels["sep"] + '<strong class="provenance-other-code">'
                      + labels["other"].format(majority=html.escape(majority)) + "</strong>")
     return f'<p class="provenance" style="font-size: 0.8em; opacity: 0.7;">{text}</p>'
 

@@ -536,7 +536,9 @@ class PipelineHooks:
         self.timeline.append(('read', step, start, time.perf_counter()))
         self.part.route(trajs)
         signals = [k['signal'] for k in kills if k['outcome'] != 'lost']
-        _, nbytes, seconds = self.rollouts.syncs[-1]
+        # this step's weight file (0 if a dead trainer submitted its job)
+        nbytes, seconds = next(((b, s) for k, b, s in self.rollouts.syncs if k == step),
+                               (0, 0.0))
         extra = dict(on_policy=True, teacher_episodes=0, lag=step - self.version[step],
                      sigkill=signals.count('SIGKILL'), sigterm=signals.count('SIGTERM'),
                      light_bytes=loader.bytes_read - before, sync_bytes=nbytes,

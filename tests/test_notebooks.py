@@ -1,6 +1,7 @@
 """Every chapter notebook keeps the book's conventions: code and printed output that fit the
 rendered page (88 columns), the same setup cell (install only when missing, one torch thread),
 both languages."""
+import ast
 import json
 import re
 from pathlib import Path
@@ -140,8 +141,10 @@ def test_long_saved_cells_are_folded_under_a_line_that_links_their_api(path):
             continue
         if "hide-input" not in cell.get("metadata", {}).get("tags", []):
             problems.append(f"{cell.get('id')}: not folded (hide-input)")
-        names = [n for n in re.findall(r"^(?:def|class) (\w+)", source, re.M)
-                 if not n.startswith("_")]
+        # the module-level functions and classes (not a `def` inside a program string)
+        names = [node.name for node in ast.parse(source).body
+                 if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+                 and not node.name.startswith("_")]
         linked = re.findall(r"\{py:obj\}`~agentrl\.\w+\.(\w+)`", "".join(before["source"]))
         if before["cell_type"] != "markdown" or not set(names) <= set(linked):
             problems.append(f"{cell.get('id')}: the cell before does not link "

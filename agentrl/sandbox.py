@@ -354,7 +354,7 @@ def _jail_command(python: str) -> list[str]:
             '--size', size, '--tmpfs', '/tmp',
             '--size', size, '--tmpfs', JAIL_WORKDIR,
             '--remount-ro', '/',  # bwrap's own root tmpfs is writable otherwise
-            '--remount-ro', '/dev',  # so are /dev and /dev/shm (device writes still work)
+            '--remount-ro', '/dev',  # so are /dev and /dev/shm (devices still work)
             '--chdir', JAIL_WORKDIR,
             '--clearenv', '--setenv', 'PATH', '/usr/bin',
             '--uid', str(JAIL_UID), '--gid', str(JAIL_UID)]

@@ -2035,6 +2035,7 @@ PROGRAM_RL = dict(PROGRAM_LIMITS, tasks_per_step=32, group_size=8, lr=1e-3)
 
 
 def program_rl_config(seed):
+    """The RLConfig of section 21.7's runs (PROGRAM_RL) with `seed`."""
     return arl.RLConfig(seed=seed, **PROGRAM_RL)
 
 

@@ -74,7 +74,8 @@ def test_tocs_roots_and_last_pages():
 
 # The parts of the book (the captions of each site's toc), in order; a last part holds the pages
 # that are not chapters (the API reference, the references).
-PART_CAPTIONS = {"en": ("Part I: ", "Part II: ", "Part III: "), "zh": ("第一部分　", "第二部分　", "第三部分　")}
+PART_CAPTIONS = {"en": ("Part I: ", "Part II: ", "Part III: ", "Part IV: "),
+                 "zh": ("第一部分　", "第二部分　", "第三部分　", "第四部分　")}
 
 
 def toc_parts(lang):
@@ -84,12 +85,12 @@ def toc_parts(lang):
     return [(part.get("caption"), [str(c["file"]) for c in part["chapters"]]) for part in parsed["parts"]]
 
 
-def test_both_tocs_have_the_same_three_parts_of_chapters():
+def test_both_tocs_have_the_same_four_parts_of_chapters():
     folders = {}
     for lang in ("en", "zh"):
         parts = toc_parts(lang)
         *chapter_parts, (last_caption, last) = parts
-        assert len(chapter_parts) == 3, [caption for caption, _ in parts]
+        assert len(chapter_parts) == 4, [caption for caption, _ in parts]
         assert last_caption and last == [f"api_{lang}", f"references_{lang}"], last
         folders[lang] = []
         for (caption, entries), start in zip(chapter_parts, PART_CAPTIONS[lang]):

@@ -35,7 +35,10 @@ from .context_parallel import *  # noqa: F401,F403
 from .wal_scan import *  # noqa: F401,F403
 from .group_commit import *  # noqa: F401,F403
 from .opd_pipeline import *  # noqa: F401,F403
+from .program_tasks import *  # noqa: F401,F403
 from .sandbox import *  # noqa: F401,F403
+from .sandbox_audit import *  # noqa: F401,F403
+from .tool_rollouts import *  # noqa: F401,F403
 
 __version__ = '0.2.0'
 
@@ -61,7 +64,7 @@ _BOOK = (
     ('wal_rollout', ('wal', 'wal_rollout', 'preemption',)),
     ('long_trajectories', ('trajectory_store', 'heavy_loader', 'context_parallel', 'wal_scan', 'group_commit',)),
     ('opd_pipeline', ('opd_pipeline',)),
-    ('sandbox', ('sandbox',)),
+    ('sandbox', ('program_tasks', 'sandbox', 'sandbox_audit', 'tool_rollouts',)),
 )
 _MODULES = tuple(m for _, own in _BOOK for m in own)
 __all__ = list(dict.fromkeys(  # one entry per name, in book order

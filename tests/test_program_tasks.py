@@ -58,7 +58,7 @@ def test_the_visible_example_singles_out_the_program():
         assert s not in [x for x, _ in t.hidden]
 
 
-def test_make_program_tasks_rejects_bad_arguments():
+def testdraw_program_tasks_rejects_bad_arguments():
     with pytest.raises(ValueError, match='split'):
         arl.make_program_tasks('all')
     with pytest.raises(ValueError, match='n_train'):

@@ -13,6 +13,7 @@ import time
 import pytest
 
 import agentrl.sandbox as sc
+import agentrl.sandbox_audit as au
 
 FAST = sc.Limits(wall_s=1.0)  # keeps the bounded attacks short (3 s when unlimited)
 
@@ -433,22 +434,22 @@ def test_closed_pool_refuses_calls():
 
 
 def test_latency_helpers(full_pool):
-    stats = sc.pool_latency(full_pool, 20)
+    stats = au.pool_latency(full_pool, 20)
     assert stats['calls'] == 20 and stats['failed'] == 0
     assert 0 < stats['p50_ms'] <= stats['p99_ms'] < 1000 and stats['calls_per_s'] > 5
-    fresh = sc.fresh_jail_latency(2)
+    fresh = au.fresh_jail_latency(2)
     assert fresh['failed'] == 0 and fresh['p50_ms'] > 0
 
 
 # ---- red team
 
-ATTACKS = [a for a in sc.RED_TEAM if not a.grading]
+ATTACKS = [a for a in au.RED_TEAM if not a.grading]
 
 
-@pytest.mark.parametrize('attack', sc.RED_TEAM, ids=lambda a: a.name)
+@pytest.mark.parametrize('attack', au.RED_TEAM, ids=lambda a: a.name)
 def test_attack_blocked_with_all_layers(attack):
     need(*sc.SANDBOX_LAYERS)
-    outcome = sc.run_attack(attack, sc.SANDBOX_LAYERS, FAST)
+    outcome = au.run_attack(attack, sc.SANDBOX_LAYERS, FAST)
     assert outcome['outcome'] == 'blocked', outcome
     assert outcome['blocked_by'] == attack.defenses[0]
     if attack.grading:  # the same program fools a grader that runs inside
@@ -460,7 +461,7 @@ def test_attack_succeeds_without_its_defenses(attack):
     """Proves the layer is what blocks it: switch it off and the attack lands."""
     assert not set(attack.defenses) & set(attack.succeeds_with)
     need(*attack.succeeds_with)
-    outcome = sc.run_attack(attack, attack.succeeds_with, FAST)
+    outcome = au.run_attack(attack, attack.succeeds_with, FAST)
     assert outcome['outcome'] == 'succeeded', outcome
     assert outcome['gained']
 
@@ -472,7 +473,7 @@ def test_attack_succeeds_without_its_defenses(attack):
 def test_two_defense_attack_needs_only_one(attack, layer_off):
     layers = tuple(layer for layer in sc.SANDBOX_LAYERS if layer != layer_off)
     need(*layers)
-    outcome = sc.run_attack(attack, layers, FAST)
+    outcome = au.run_attack(attack, layers, FAST)
     other = next(d for d in attack.defenses if d != layer_off)
     assert (outcome['outcome'], outcome['blocked_by']) == ('blocked', other), outcome
 
@@ -522,28 +523,28 @@ def test_children_are_counted_then_swept(layers):
 
 def test_grade_outside_is_type_strict():
     ok = sc.CallResult('ok', outputs=[1, [2.5, 'a'], {'k': None}])
-    assert sc.grade_outside(ok, [1, [2.5, 'a'], {'k': None}])
-    assert not sc.grade_outside(sc.CallResult('ok', outputs=[True]), [1])
-    assert not sc.grade_outside(sc.CallResult('ok', outputs=[1.0]), [1])
-    assert not sc.grade_outside(sc.CallResult('error', outputs=None), [1])
-    assert not sc.grade_outside(sc.CallResult('ok', outputs=[1, 2]), [1])
+    assert au.grade_outside(ok, [1, [2.5, 'a'], {'k': None}])
+    assert not au.grade_outside(sc.CallResult('ok', outputs=[True]), [1])
+    assert not au.grade_outside(sc.CallResult('ok', outputs=[1.0]), [1])
+    assert not au.grade_outside(sc.CallResult('error', outputs=None), [1])
+    assert not au.grade_outside(sc.CallResult('ok', outputs=[1, 2]), [1])
 
 
 def test_both_graders_agree_on_honest_and_wrong_programs(full_pool):
-    tests = sc.GRADING_TESTS
+    tests = au.GRADING_TESTS
     honest, wrong = 'def f(x):\n    return x * x', 'def f(x):\n    return x + x'
     for source, verdict in ((honest, True), (wrong, False)):
         result = full_pool.call(source, [x for x, _ in tests])
-        assert sc.grade_outside(result, [y for _, y in tests]) is verdict
-        assert sc.grade_inside(full_pool, source, tests) is verdict
+        assert au.grade_outside(result, [y for _, y in tests]) is verdict
+        assert au.grade_inside(full_pool, source, tests) is verdict
 
 
 def test_red_team_table_is_data():
     need(*sc.SANDBOX_LAYERS)
     names = ('read_passwd', 'fake_grade_exit_early')
-    attacks = [a for a in sc.RED_TEAM if a.name in names]
+    attacks = [a for a in au.RED_TEAM if a.name in names]
     variants = {'all layers': sc.SANDBOX_LAYERS, 'no namespaces': ('limits', 'seccomp')}
-    rows = sc.red_team_table(variants, FAST, attacks)
+    rows = au.red_team_table(variants, FAST, attacks)
     assert rows[0]['all layers'] == 'blocked (namespaces)'
     assert rows[0]['no namespaces'].startswith('SUCCEEDED: root:')
     assert rows[1]['no namespaces'] == 'blocked (trusted grader)'

@@ -111,7 +111,7 @@ def test_run_modules_cover_what_chapter_7_runs_execute():
 def test_book_modules_are_the_book_up_to_a_chapter():
     assert arl.book_modules('introduction') == ('introduction',)
     assert arl.book_modules('kl') == arl.RUN_MODULES + ('off_policy', 'kl')
-    assert arl.book_modules('sandbox') == arl._MODULES
+    assert arl.book_modules('real_models') == arl._MODULES
     assert arl.distill_modules() == arl.book_modules('distillation')
     with pytest.raises(ValueError, match='upto'):
         arl.book_modules('nope')

@@ -40,6 +40,7 @@ from .sandbox import *  # noqa: F401,F403
 from .sandbox_audit import *  # noqa: F401,F403
 from .tool_rollouts import *  # noqa: F401,F403
 from .real_models import *  # noqa: F401,F403
+from .real_model_costs import *  # noqa: F401,F403
 
 __version__ = '0.2.0'
 
@@ -66,7 +67,7 @@ _BOOK = (
     ('long_trajectories', ('trajectory_store', 'heavy_loader', 'context_parallel', 'wal_scan', 'group_commit',)),
     ('opd_pipeline', ('opd_pipeline',)),
     ('sandbox', ('program_tasks', 'sandbox', 'sandbox_audit', 'tool_rollouts',)),
-    ('real_models', ('real_models',)),
+    ('real_models', ('real_models', 'real_model_costs',)),
 )
 _MODULES = tuple(m for _, own in _BOOK for m in own)
 __all__ = list(dict.fromkeys(  # one entry per name, in book order

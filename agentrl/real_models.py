@@ -10,7 +10,6 @@ from torch import nn
 from tqdm.auto import tqdm
 import dataclasses
 import os
-import math
 
 
 # -------- 22.1 Subword tokens
@@ -61,10 +60,14 @@ class BPETokenizer:
             raise TypeError(f'text must be a str, got {type(text).__name__}')
         encoding = self.backend.encode(text, add_special_tokens=False)
         if self.backend.decode(encoding.ids, skip_special_tokens=False) != text:
-            lost = next(c for c in text if self.backend.decode(
-                self.backend.encode(c, add_special_tokens=False).ids) != c)
-            raise ValueError(f'character {lost!r} is not in the alphabet of this '
-                             f'{len(self)}-token vocabulary')
+            lost = next((c for c in text if self.backend.decode(
+                self.backend.encode(c, add_special_tokens=False).ids) != c), None)
+            if lost is not None:
+                raise ValueError(f'character {lost!r} is not in the alphabet of this '
+                                 f'{len(self)}-token vocabulary')
+            raise ValueError(f'{text[:40]!r}... does not decode back to itself '
+                             '(a normaliser changes it): the engine needs text that '
+                             'round-trips')
         return encoding.ids, encoding.offsets
 
     def encode(self, text):
@@ -119,6 +122,9 @@ def train_bpe(tasks, vocab_size=192, split_digits=True):
                                   initial_alphabet=alphabet)
     backend.train_from_iterator(plain_segments(arl.demonstration(t) for t in tasks),
                                 trainer)
+    if backend.get_vocab_size() != vocab_size:
+        raise ValueError(f'the demonstrations hold only {backend.get_vocab_size()} '
+                         f'tokens worth of merges, fewer than vocab_size={vocab_size}')
     return BPETokenizer(backend)
 
 
@@ -144,9 +150,9 @@ class HFCache:
     """Chapter 3's KVCache interface over transformers' DynamicCache: `length`
     (positions filled), `max_len`, `lengths` (None: lockstep rows only) and
     keep(rows), which drops finished rows with DynamicCache.batch_select_indices."""
-    def __init__(self, config, max_len):
+    def __init__(self, max_len):
         from transformers import DynamicCache
-        self.cache = DynamicCache(config=config)
+        self.cache = DynamicCache()
         self.max_len, self.lengths = max_len, None
 
     @property
@@ -170,8 +176,11 @@ class HFAgent(nn.Module):
         self.lm = lm
         self.max_len = lm.config.max_position_embeddings
         self.vocab_size = lm.config.vocab_size
-        params = inspect.signature(lm.model.forward).parameters
-        # transformers 5 names the argument `cache`, 4.x `past_key_values`
+        if not hasattr(lm, 'get_decoder') or lm.get_output_embeddings() is None:
+            raise TypeError(f'lm must be a transformers causal LM (get_decoder, an '
+                            f'output embedding), got {type(lm).__name__}')
+        params = inspect.signature(lm.get_decoder().forward).parameters
+        # recent transformers name the argument `cache`, 4.x `past_key_values`
         self._cache_arg = 'cache' if 'cache' in params else 'past_key_values'
 
     @property
@@ -180,7 +189,7 @@ class HFAgent(nn.Module):
 
     def new_cache(self, batch, max_len=None):
         """An empty HFCache (`batch` is implied by the first forward)."""
-        return HFCache(self.lm.config, max_len or self.max_len)
+        return HFCache(max_len or self.max_len)
 
     def hidden(self, ids, position_ids=None, mask=None, cache=None):
         """ids [B, T] -> the final normed hidden states [B, T, D]; position_ids [B, T]
@@ -199,11 +208,14 @@ class HFAgent(nn.Module):
         if start + ids.shape[1] > limit:
             raise ValueError(f'sequence of {start + ids.shape[1]} positions exceeds '
                              f'max_len={limit}')
-        if position_ids is not None and position_ids.dim() == 1:
-            position_ids = position_ids[None].expand(ids.shape[0], -1)
+        device = self.head.weight.device
+        if position_ids is not None:
+            position_ids = position_ids.to(device)
+            if position_ids.dim() == 1:
+                position_ids = position_ids[None].expand(ids.shape[0], -1)
         kwargs = {self._cache_arg: None if cache is None else cache.cache}
-        out = self.lm.model(input_ids=ids, position_ids=position_ids,
-                            use_cache=cache is not None, **kwargs)
+        out = self.lm.get_decoder()(input_ids=ids.to(device), position_ids=position_ids,
+                                    use_cache=cache is not None, **kwargs)
         return out.last_hidden_state
 
     def forward(self, ids, position_ids=None, mask=None, cache=None,
@@ -214,12 +226,11 @@ class HFAgent(nn.Module):
 
     def _tied(self):
         """Names of state_dict entries that repeat another's tensor."""
-        seen, tied = {}, []
+        seen, tied = set(), []
         for name, t in super().state_dict(keep_vars=True).items():
-            key = (t.data_ptr(), t.shape)
-            if key in seen:
+            if id(t) in seen:
                 tied.append(name)
-            seen.setdefault(key, name)
+            seen.add(id(t))
         return tied
 
     def state_dict(self, *args, **kwargs):
@@ -231,6 +242,8 @@ class HFAgent(nn.Module):
     def load_state_dict(self, state_dict, strict=True, assign=False):
         tied = set(self._tied())
         result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        if assign and tied:
+            self.lm.tie_weights()           # assign replaced the shared tensor
         missing = [m for m in result.missing_keys if m not in tied]
         if strict and (missing or result.unexpected_keys):
             raise RuntimeError(f'HFAgent.load_state_dict: missing keys {missing}, '
@@ -258,7 +271,7 @@ def episode_segments(text):
     (<call>...</call> or <ans>...</ans>, written by the policy) and each observation
     (<obs>...</obs>, written by the environment), in order."""
     pieces = [p for p in re.split(r'(<call>.*?</call>|<ans>.*?</ans>|<obs>.*?</obs>)',
-                                  text) if p]
+                                  text, flags=re.S) if p]
     return [(p, p.startswith(AGENT_OPENERS)) for p in pieces]
 
 
@@ -314,6 +327,11 @@ _ARCHITECTURE = ('hidden_size', 'layers', 'heads', 'kv_heads', 'intermediate_siz
                  'max_len')
 
 
+# The code this chapter's cached runs execute: chapter 7's loop and this module (not
+# the chapters in between, so that a change there leaves these runs cached)
+HF_MODULES = arl.RUN_MODULES + ('real_models',)
+
+
 def hf_recipe(recipe=None):
     """HF_RECIPE with the entries of `recipe` replaced; the seed, unless `recipe` sets
     it, from $AGENTRL_RECIPE_SEED when that is set (as chapter 5's RL base)."""
@@ -338,8 +356,8 @@ def hf_tokenizer(recipe=None):
 def make_hf_base(tok, recipe=None):
     """The SFT base on the Qwen3 architecture: a seeded HFAgent trained on the
     recipe's demonstrations (demonstration_ids, train_on_demonstrations), computed
-    once and cached (chapter 7's cached_training, keyed by the code up to this
-    chapter) -> (model, losses)."""
+    once and cached (chapter 7's cached_training, keyed by the code of HF_MODULES)
+    -> (model, losses)."""
     r = hf_recipe(recipe)
     tasks = arl.make_demo_tasks(r['demos_per_family'], r['demo_seed'])
     init = new_hf_agent(tok, r['seed'], **{k: r[k] for k in _ARCHITECTURE})
@@ -350,20 +368,20 @@ def make_hf_base(tok, recipe=None):
                                        r['batch_size'], r['lr'], r['seed'],
                                        progress=False)
     return arl.cached_training('hf_base', init, dict(recipe=r, vocab=tok.itos), train,
-                               modules=arl.book_modules('real_models'))
+                               modules=HF_MODULES)
 
 
 def train_rl_on_hf(base, tasks, tok, cfg, steps, eval_tasks=None, eval_every=10,
                    eval_n=8):
     """arl.train_rl on a copy of an HFAgent `base`, cached -> (model, history); as
-    arl.train_rl_cached, but keyed by the code up to this chapter (the adapter)."""
+    arl.train_rl_cached, but keyed by the code of HF_MODULES (the adapter too)."""
     key = dict(tasks=arl.tasks_hash(tasks), vocab=tok.itos,
                cfg=dataclasses.asdict(cfg), steps=steps,
                eval_tasks=arl.tasks_hash(eval_tasks), eval_every=eval_every,
                eval_n=eval_n)
     return arl.cached_training('hf_rl', base, key, lambda model: arl.train_rl(
         model, tasks, tok, cfg, steps, eval_tasks, eval_every, eval_n, progress=False),
-        modules=arl.book_modules('real_models'))
+        modules=HF_MODULES)
 
 
 # -------- 22.4 Sampling, and what re-encoding does to the ids
@@ -422,97 +440,6 @@ def retokenization_drift(model, trajs, tok):
                 token_error=float(error))
 
 
-# -------- 22.6 What a bigger model would cost
-
-# The published configurations (the models' config.json), not Qwen3Config's
-# defaults, which match no released model.
-QWEN3_RELEASED = {
-    'Qwen3-0.6B': dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    'Qwen3-8B': dict(vocab_size=151_936, hidden_size=4096, intermediate_size=12_288,
-                     num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-}
-
-
-# one H100 SXM: HBM bytes, bytes/s, dense bf16 FLOP/s (NVIDIA's data sheet)
-H100 = dict(hbm=80e9, bandwidth=3.35e12, flops=989e12)
-
-
-# bytes per weight of a rollout copy of the matrices (chapter 16; MXFP4: 4 bits plus
-# one 8-bit scale per 32 weights)
-WEIGHT_BYTES = {'bf16': 2.0, 'fp8': 1.0, 'mxfp4': 4.25 / 8}
-
-
-def model_shapes(config):
-    """Sizes that the costs need, from a Qwen3 configuration (a dict of
-    QWEN3_RELEASED or a Qwen3Config) -> dict: params (all), matrix (the weights a
-    token multiplies: all but the input embedding, a lookup; the tied head counts
-    here), kv_bytes (bf16 keys and values per token of context), attn_flops (score
-    and value FLOPs per token per context token), vocab."""
-    c = config if isinstance(config, dict) else config.to_dict()
-    h, L, V, d = (c['hidden_size'], c['num_hidden_layers'], c['vocab_size'],
-                  c['head_dim'])
-    q, kv = c['num_attention_heads'] * d, c['num_key_value_heads'] * d
-    matrices = (2 * h * q + 2 * h * kv              # q and o; k and v projections
-                + 3 * h * c['intermediate_size'])   # SwiGLU: gate, up, down
-    norms = 2 * h + 2 * d               # RMSNorm before attention and MLP; q and k
-    head = 0 if c['tie_word_embeddings'] else V * h
-    return dict(params=L * (matrices + norms) + V * h + head + h,
-                matrix=L * matrices + V * h, kv_bytes=2 * L * kv * 2,
-                attn_flops=4 * L * q, vocab=V, hidden=h)
-
-
-def project_step(config, rollout='bf16', fused_kl=False, episodes=512, tokens=4096,
-                 sampled=1024, micro_tokens=16_384, decode_batch=64, chunk=1024,
-                 mfu=0.4, gpu=H100):
-    """Chapter 14's cost model for one on-policy distillation step of a Qwen3
-    configuration on `gpu`: `episodes` episodes of `tokens` tokens, `sampled` of them
-    decoded by the policy in batches of decode_batch, trained in micro-batches of
-    micro_tokens tokens -> dict.
-
-    Bytes: train_state (bf16 weights and gradients, fp32 master weights and Adam
-    moments: 16 a parameter); logits (fp32 student logits, their gradient and the
-    teacher's logits for a micro-batch, or with fused_kl only for one chunk of
-    `chunk` tokens: chapter 17); rollout_weights (the matrices in the `rollout`
-    format of WEIGHT_BYTES, chapter 16, embedding and head in bf16); kv_cache (the
-    decode batch at full length). GPU-seconds: decode (memory-bound: every token
-    reads the rollout matrices, the head and each sequence's cache at the mean
-    context), prefill, old_logp and train (compute-bound at `mfu`; train = 3
-    forwards).
-    """
-    if rollout not in WEIGHT_BYTES:
-        raise ValueError(f'rollout must be one of {sorted(WEIGHT_BYTES)}, '
-                         f'got {rollout!r}')
-    for name, value in (('episodes', episodes), ('tokens', tokens),
-                        ('micro_tokens', micro_tokens), ('decode_batch', decode_batch),
-                        ('chunk', chunk)):
-        arl.check_int(name, value, 1)
-    arl.check_int('sampled', sampled, 0)
-    if sampled > tokens:
-        raise ValueError(f'sampled ({sampled}) must be <= tokens ({tokens})')
-    arl.check_real('mfu', mfu, 0, strict=True)
-    s = model_shapes(config)
-    table = s['vocab'] * s['hidden']                      # one [V, h] matrix
-    body = s['matrix'] - table                            # the layers' matrices
-    context = tokens / 2                                  # mean context of a token
-    read = body * WEIGHT_BYTES[rollout] + 2 * table       # bytes a decode step reads
-    decode_step = (read + decode_batch * context * s['kv_bytes']) / gpu['bandwidth']
-    forward = 2 * s['matrix'] + s['attn_flops'] * context     # FLOPs per token
-    compute = episodes * forward / (mfu * gpu['flops'])       # seconds per token
-    logit_rows = chunk if fused_kl else micro_tokens
-    return dict(
-        train_state=16 * s['params'],
-        logits=3 * logit_rows * s['vocab'] * 4,
-        rollout_weights=read + 2 * (s['params'] - s['matrix']),
-        kv_cache=decode_batch * tokens * s['kv_bytes'],
-        decode=episodes * sampled / decode_batch * decode_step,
-        prefill=compute * (tokens - sampled),
-        old_logp=compute * tokens,
-        train=3 * compute * tokens)
-
-
 __all__ = [
     'plain_segments',
     'BPETokenizer',
@@ -526,6 +453,7 @@ __all__ = [
     'demonstration_ids',
     'train_on_demonstrations',
     'HF_RECIPE',
+    'HF_MODULES',
     'hf_recipe',
     'hf_tokenizer',
     'make_hf_base',
@@ -533,9 +461,4 @@ __all__ = [
     'retokenized',
     'action_log_probs',
     'retokenization_drift',
-    'QWEN3_RELEASED',
-    'H100',
-    'WEIGHT_BYTES',
-    'model_shapes',
-    'project_step',
 ]

@@ -71,9 +71,21 @@ def test_tokenizer_refuses_what_it_cannot_encode(tok):
         tok.decode([len(tok)])
     with pytest.raises(ValueError, match='vocab_size must hold'):
         arl.train_bpe(arl.make_demo_tasks(10), vocab_size=20)
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
     with pytest.raises(ValueError, match='lacks the markers'):
         arl.BPETokenizer(Tokenizer(models.BPE()))
+    # a normaliser that composes 'e' + U+0301 into one character: each character
+    # round-trips alone, the text does not
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    from tokenizers import decoders
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(['get ab'], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=list(arl.SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    with pytest.raises(ValueError, match='does not decode back'):
+        arl.BPETokenizer(backend).encode('cafe\u0301')
 
 
 # ---- demonstrations as ids
@@ -172,6 +184,10 @@ def test_tied_weights_are_stored_once_and_round_trip(agent, tmp_path):
     assert other.head.weight.data_ptr() == other.lm.get_input_embeddings().weight.data_ptr()
     with pytest.raises(RuntimeError, match='missing keys'):
         other.load_state_dict({k: v for k, v in state.items() if 'norm' not in k})
+    assigned = copy.deepcopy(agent)
+    assigned.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
+    assert assigned.head.weight is assigned.lm.get_input_embeddings().weight
+    assert arl.model_hash(assigned) == arl.model_hash(agent)
 
 
 def test_sample_groups_runs_on_the_adapter_and_recomputation_matches(agent, tok):
@@ -292,6 +308,17 @@ def test_project_step_orders_formats_and_fuses_logits():
         arl.project_step(c, tokens=100, sampled=200)
     with pytest.raises(ValueError, match='mfu must be > 0'):
         arl.project_step(c, mfu=0)
+    with pytest.raises(ValueError, match='busy must be <= 1'):
+        arl.project_step(c, busy=2)
+    with pytest.raises(ValueError, match='config lacks'):
+        arl.model_shapes(dict(c, head_dim=None))
+    small = arl.QWEN3_RELEASED['Qwen3-0.6B']
+    taught = arl.project_step(small, teacher=c)
+    alone = arl.project_step(small)
+    assert taught['teacher'] > 5 * alone['teacher']             # an 8B teacher's pass
+    assert alone['teacher'] == alone['old_logp']                # a teacher of its size
+    half, full = (arl.project_step(c, busy=b)['decode'] for b in (0.5, 1.0))
+    assert math.isclose(half, 2 * full)
 
 
 def test_retokenized_needs_character_spans():
